@@ -1,0 +1,54 @@
+// Every op schema of the library, in one place, and the small pybind11 module `dartree_ext._C`.
+// Implementations register per backend in csrc/cpu/<area>.cpp and csrc/cuda/<area>.cu.
+#include <torch/library.h>
+
+#ifdef DARTREE_PYTHON_MODULE
+#include <Python.h>
+#include <torch/extension.h>
+#endif
+
+#ifndef DARTREE_TORCH_VERSION
+#define DARTREE_TORCH_VERSION "unknown"
+#endif
+#ifndef DARTREE_CUDA_ARCHS
+#define DARTREE_CUDA_ARCHS ""
+#endif
+#ifndef DARTREE_CUDA_VERSION
+#define DARTREE_CUDA_VERSION ""
+#endif
+
+TORCH_LIBRARY(dartree_ext, m) {
+  // tree_mask area
+  m.def("tree_ancestor_bits(Tensor parents, Tensor num_nodes) -> (Tensor bits, Tensor depths)");
+  m.def("tree_attention_mask(Tensor parents, Tensor num_nodes, Tensor past_key_mask, ScalarType dtype) -> Tensor");
+  m.def("tree_links(Tensor parents, Tensor num_nodes) -> (Tensor next_token, Tensor next_sibling)");
+  // verify area
+  m.def(
+      "verify_tree(Tensor tokens, Tensor parents, Tensor num_nodes, Tensor target_tokens) -> "
+      "(Tensor accept_nodes, Tensor accept_len, Tensor bonus)");
+}
+
+#ifdef DARTREE_PYTHON_MODULE
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = DARTREE_TORCH_VERSION;
+#ifdef DARTREE_WITH_CUDA
+  info["cuda"] = true;
+#else
+  info["cuda"] = false;
+#endif
+  info["cuda_version"] = DARTREE_CUDA_VERSION;
+  info["cuda_archs"] = DARTREE_CUDA_ARCHS;
+  info["max_tree_nodes"] = 8192;
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dartree_ext native ops (registered under torch.ops.dartree_ext)";
+  m.def("build_info", &build_info, "How this extension was built: torch version, CUDA kernels, archs.");
+}
+#endif

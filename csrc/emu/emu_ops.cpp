@@ -1,0 +1,139 @@
+// Test-only shared library: the unchanged kernels of csrc/kernels/ run on the CPU through the
+// emulation runtime, behind a plain C ABI that python_tests/emulated.py calls with ctypes on
+// CPU tensors' data pointers. Built by the tests with g++ (no torch headers, a few seconds).
+#include "emu_runtime.h"
+
+#include <exception>
+#include <string>
+
+#include "../kernels/tree_mask.cuh"
+#include "../kernels/verify.cuh"
+
+namespace {
+
+std::string last_error;
+
+template <typename F>
+int guarded(F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// Self-test kernels: the emulation must prove it catches missing barriers.
+template <bool kWithBarriers>
+__global__ void block_sum_kernel(const int32_t* values, int count, int32_t* out) {
+  DARTREE_SHARED_ARRAY(int32_t, partial, 1024);
+  const int t = threadIdx.x;
+  partial[t] = t < count ? values[t] : 0;
+  if (kWithBarriers) __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (t < stride) partial[t] += partial[t + stride];
+    if (kWithBarriers) __syncthreads();
+  }
+  if (t == 0) out[blockIdx.x] = partial[0];
+}
+
+// Warp primitives: a shuffle-down tree sum per warp, a ballot of odd values, an atomic total.
+__global__ void warp_primitives_kernel(const int32_t* values, int32_t* warp_sums, uint32_t* ballots,
+                                       int32_t* atomic_total, int32_t* atomic_min) {
+  const int t = threadIdx.x;
+  const int lane = t % warpSize;
+  int v = values[t];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(dartree::kernels::kFullWarpMask, v, offset);
+  const unsigned odd = __ballot_sync(dartree::kernels::kFullWarpMask, values[t] & 1);
+  const int broadcast = __shfl_sync(dartree::kernels::kFullWarpMask, v, 0);
+  if (lane == 0) {
+    warp_sums[t / warpSize] = broadcast;
+    ballots[t / warpSize] = odd;
+  }
+  atomicAdd(atomic_total, values[t]);
+  atomicMin(atomic_min, values[t]);
+}
+
+// Half the warp waits at __syncthreads, the other half at __syncwarp: neither can ever be
+// released. The emulation must report it instead of hanging.
+__global__ void divergent_barrier_kernel(int32_t* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+  } else {
+    __syncwarp();
+  }
+  out[threadIdx.x] = 1;
+}
+
+template <typename Bits>
+int mask_with(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask, int batch, int n_max,
+              int past, uint64_t hidden, void* out) {
+  return guarded([&] {
+    dartree::kernels::launch_tree_attention_mask<Bits>(parents, num_nodes, past_key_mask, batch, n_max, past,
+                                                       static_cast<Bits>(hidden), static_cast<Bits*>(out), nullptr);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* emu_last_error() { return last_error.c_str(); }
+
+int emu_block_sum(const int32_t* values, int count, int threads, int with_barriers, int32_t* out) {
+  return guarded([&] {
+    if (with_barriers) {
+      DARTREE_LAUNCH(block_sum_kernel<true>, dim3(1), dim3(threads), 0, nullptr, values, count, out);
+    } else {
+      DARTREE_LAUNCH(block_sum_kernel<false>, dim3(1), dim3(threads), 0, nullptr, values, count, out);
+    }
+  });
+}
+
+int emu_warp_primitives(const int32_t* values, int threads, int32_t* warp_sums, uint32_t* ballots,
+                        int32_t* atomic_total, int32_t* atomic_min) {
+  return guarded([&] {
+    DARTREE_LAUNCH(warp_primitives_kernel, dim3(1), dim3(threads), 0, nullptr, values, warp_sums, ballots,
+                   atomic_total, atomic_min);
+  });
+}
+
+int emu_divergent_barrier(int32_t* out) {
+  return guarded([&] { DARTREE_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(32), 0, nullptr, out); });
+}
+
+int emu_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max, uint64_t* bits,
+                           int32_t* depths) {
+  return guarded([&] {
+    dartree::kernels::launch_tree_ancestor_bits(parents, num_nodes, batch, n_max, bits, depths, nullptr);
+  });
+}
+
+int emu_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
+                            int batch, int n_max, int past, int element_bytes, uint64_t hidden, void* out) {
+  switch (element_bytes) {
+    case 2: return mask_with<uint16_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
+    case 4: return mask_with<uint32_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
+    case 8: return mask_with<uint64_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
+    default: last_error = "unsupported element size"; return 1;
+  }
+}
+
+int emu_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max, int32_t* next_token,
+                   int32_t* next_sibling) {
+  return guarded([&] {
+    dartree::kernels::launch_tree_links(parents, num_nodes, batch, n_max, next_token, next_sibling, nullptr);
+  });
+}
+
+int emu_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t* num_nodes,
+                    const int64_t* target_tokens, int batch, int n_max, int32_t* accept_nodes, int32_t* accept_len,
+                    int64_t* bonus) {
+  return guarded([&] {
+    dartree::kernels::launch_verify_tree(tokens, parents, num_nodes, target_tokens, batch, n_max, accept_nodes,
+                                         accept_len, bonus, nullptr);
+  });
+}
+
+}  // extern "C"

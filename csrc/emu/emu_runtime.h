@@ -1,0 +1,308 @@
+// Test-only CUDA emulation: runs the device code of csrc/kernels/*.cuh on the CPU.
+//
+// Every CUDA thread of a block is a ucontext fiber. Fibers run cooperatively in thread-index
+// order, each until it reaches a barrier (__syncthreads, or a warp collective), so a kernel that
+// forgets a barrier reads memory its peers have not written yet and computes a wrong result
+// instead of passing by luck. Blocks run one after another. Shared memory is poisoned (0xFF
+// bytes: -1 for integers, NaN for floats) at the start of every block, so reading it before
+// writing it shows up too. A barrier that can never be released (divergent __syncthreads, a
+// warp collective that not every live lane reaches) is reported as an error, not a hang.
+//
+// Include this header before csrc/kernels/common.cuh. Launches from one OS thread at a time.
+#pragma once
+
+#define DARTREE_EMULATION 1
+
+#include <ucontext.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+using cudaStream_t = void*;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+
+namespace dartree_emu {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned char kSharedPoison = 0xFF;
+constexpr size_t kFiberStackBytes = 128 * 1024;
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr size_t kMaxSharedBytes = 228 * 1024;
+
+enum class FiberState { kReady, kAtBlockBarrier, kAtWarpBarrier, kDone };
+
+struct Fiber {
+  ucontext_t context;
+  FiberState state = FiberState::kReady;
+  dim3 thread_idx;
+  unsigned linear = 0;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+};
+
+struct Runtime {
+  std::mutex launch_mutex;
+  dim3 grid, block, block_idx;
+  std::vector<Fiber> fibers;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  ucontext_t scheduler;
+  Fiber* current = nullptr;
+  const std::function<void()>* body = nullptr;
+  std::vector<unsigned char> dynamic_shared;
+  std::map<const void*, std::vector<unsigned char>> static_shared;
+  std::vector<uint64_t> exchange;  // one slot per thread, for warp collectives
+  size_t static_shared_bytes = 0;
+  std::string error;
+};
+
+inline Runtime& runtime() {
+  static Runtime instance;
+  return instance;
+}
+
+inline Fiber& self() { return *runtime().current; }
+
+inline void yield_to_scheduler() {
+  Runtime& rt = runtime();
+  swapcontext(&rt.current->context, &rt.scheduler);
+}
+
+inline void block_barrier() {
+  self().state = FiberState::kAtBlockBarrier;
+  yield_to_scheduler();
+}
+
+inline void warp_barrier() {
+  self().state = FiberState::kAtWarpBarrier;
+  yield_to_scheduler();
+}
+
+inline void fiber_entry() {
+  Runtime& rt = runtime();
+  (*rt.body)();
+  rt.current->state = FiberState::kDone;
+  // returning resumes uc_link, the scheduler
+}
+
+// Releases every barrier that all of its live participants have reached. Returns whether
+// anything was released.
+inline bool release_barriers(Runtime& rt) {
+  const size_t n = rt.fibers.size();
+  size_t live = 0, at_block = 0;
+  for (const Fiber& f : rt.fibers) {
+    if (f.state != FiberState::kDone) ++live;
+    if (f.state == FiberState::kAtBlockBarrier) ++at_block;
+  }
+  bool released = false;
+  if (live > 0 && at_block == live) {
+    for (Fiber& f : rt.fibers)
+      if (f.state == FiberState::kAtBlockBarrier) f.state = FiberState::kReady;
+    released = true;
+  }
+  for (size_t base = 0; base < n; base += kWarpSize) {
+    size_t end = base + kWarpSize < n ? base + kWarpSize : n;
+    size_t warp_live = 0, warp_waiting = 0;
+    for (size_t i = base; i < end; ++i) {
+      if (rt.fibers[i].state != FiberState::kDone) ++warp_live;
+      if (rt.fibers[i].state == FiberState::kAtWarpBarrier) ++warp_waiting;
+    }
+    if (warp_live > 0 && warp_waiting == warp_live) {
+      for (size_t i = base; i < end; ++i)
+        if (rt.fibers[i].state == FiberState::kAtWarpBarrier) rt.fibers[i].state = FiberState::kReady;
+      released = true;
+    }
+  }
+  return released;
+}
+
+inline void run_block(Runtime& rt) {
+  const unsigned nthreads = rt.block.x * rt.block.y * rt.block.z;
+  rt.fibers.assign(nthreads, Fiber{});
+  while (rt.stacks.size() < nthreads) rt.stacks.emplace_back(new char[kFiberStackBytes]);
+  rt.exchange.assign(nthreads, 0);
+  std::memset(rt.dynamic_shared.data(), kSharedPoison, rt.dynamic_shared.size());
+  for (auto& kv : rt.static_shared) std::memset(kv.second.data(), kSharedPoison, kv.second.size());
+  for (unsigned t = 0; t < nthreads; ++t) {
+    Fiber& f = rt.fibers[t];
+    f.linear = t;
+    f.thread_idx = dim3(t % rt.block.x, (t / rt.block.x) % rt.block.y, t / (rt.block.x * rt.block.y));
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = rt.stacks[t].get();
+    f.context.uc_stack.ss_size = kFiberStackBytes;
+    f.context.uc_link = &rt.scheduler;
+    makecontext(&f.context, fiber_entry, 0);
+  }
+  for (;;) {
+    bool ran = false;
+    for (Fiber& f : rt.fibers) {
+      if (f.state != FiberState::kReady) continue;
+      rt.current = &f;
+      swapcontext(&rt.scheduler, &f.context);
+      ran = true;
+    }
+    bool all_done = true;
+    for (const Fiber& f : rt.fibers) all_done = all_done && f.state == FiberState::kDone;
+    if (all_done) return;
+    if (!release_barriers(rt) && !ran) {
+      rt.error = "deadlock: no thread can proceed (a barrier or warp collective that some live "
+                 "thread never reaches)";
+      return;
+    }
+  }
+}
+
+inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std::function<void()>& body) {
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  const unsigned long long nthreads = 1ull * block.x * block.y * block.z;
+  if (nthreads == 0 || nthreads > kMaxThreadsPerBlock)
+    throw std::invalid_argument("emulated launch: block must have 1..1024 threads, got " + std::to_string(nthreads));
+  if (dynamic_shared_bytes > kMaxSharedBytes)
+    throw std::invalid_argument("emulated launch: too much dynamic shared memory: " +
+                                std::to_string(dynamic_shared_bytes));
+  rt.grid = grid;
+  rt.block = block;
+  rt.body = &body;
+  rt.dynamic_shared.assign(dynamic_shared_bytes, kSharedPoison);
+  rt.static_shared.clear();
+  rt.static_shared_bytes = 0;
+  rt.error.clear();
+  for (unsigned z = 0; z < grid.z && rt.error.empty(); ++z)
+    for (unsigned y = 0; y < grid.y && rt.error.empty(); ++y)
+      for (unsigned x = 0; x < grid.x && rt.error.empty(); ++x) {
+        rt.block_idx = dim3(x, y, z);
+        run_block(rt);
+      }
+  rt.current = nullptr;
+  rt.body = nullptr;
+  if (!rt.error.empty()) throw std::runtime_error("emulated kernel failed: " + rt.error);
+}
+
+// Per-block static shared array, keyed by its declaration site.
+template <typename T>
+T* static_shared_array(const void* key, size_t count) {
+  Runtime& rt = runtime();
+  auto it = rt.static_shared.find(key);
+  if (it == rt.static_shared.end()) {
+    rt.static_shared_bytes += sizeof(T) * count;
+    if (rt.static_shared_bytes + rt.dynamic_shared.size() > kMaxSharedBytes)
+      throw std::runtime_error("emulated kernel: shared memory exceeds the device limit");
+    it = rt.static_shared.emplace(key, std::vector<unsigned char>(sizeof(T) * count, kSharedPoison)).first;
+  }
+  return reinterpret_cast<T*>(it->second.data());
+}
+
+// Warp exchange: every live lane publishes a value, waits for the warp, reads, waits again so the
+// slots are not overwritten before everybody has read them.
+template <typename T, typename SourceLane>
+T warp_exchange(T value, SourceLane source_lane) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable<T>::value,
+                "emulated shuffles move at most 8 bytes");
+  Runtime& rt = runtime();
+  const unsigned me = self().linear;
+  const unsigned warp_base = me - me % kWarpSize;
+  uint64_t slot = 0;
+  std::memcpy(&slot, &value, sizeof(T));
+  rt.exchange[me] = slot;
+  warp_barrier();
+  int src = source_lane(static_cast<int>(me % kWarpSize));
+  T out = value;
+  const unsigned src_linear = warp_base + static_cast<unsigned>(src);
+  if (src >= 0 && src < kWarpSize && src_linear < rt.fibers.size())
+    std::memcpy(&out, &rt.exchange[src_linear], sizeof(T));
+  warp_barrier();
+  return out;
+}
+
+}  // namespace dartree_emu
+
+#define threadIdx (::dartree_emu::self().thread_idx)
+#define blockIdx (::dartree_emu::runtime().block_idx)
+#define blockDim (::dartree_emu::runtime().block)
+#define gridDim (::dartree_emu::runtime().grid)
+#define warpSize 32
+
+inline void __syncthreads() { ::dartree_emu::block_barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ::dartree_emu::warp_barrier(); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+template <typename T>
+T __shfl_sync(unsigned, T var, int src_lane, int width = 32) {
+  return ::dartree_emu::warp_exchange(var, [&](int lane) { return lane - lane % width + src_lane % width; });
+}
+template <typename T>
+T __shfl_down_sync(unsigned, T var, unsigned delta, int width = 32) {
+  return ::dartree_emu::warp_exchange(
+      var, [&](int lane) { return lane % width + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : lane; });
+}
+template <typename T>
+T __shfl_up_sync(unsigned, T var, unsigned delta, int width = 32) {
+  return ::dartree_emu::warp_exchange(
+      var, [&](int lane) { return lane % width >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane; });
+}
+template <typename T>
+T __shfl_xor_sync(unsigned, T var, int lane_mask, int width = 32) {
+  return ::dartree_emu::warp_exchange(
+      var, [&](int lane) { int src = lane ^ lane_mask; return src / width == lane / width ? src : lane; });
+}
+
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  ::dartree_emu::Runtime& rt = ::dartree_emu::runtime();
+  const unsigned me = ::dartree_emu::self().linear;
+  const unsigned warp_base = me - me % ::dartree_emu::kWarpSize;
+  rt.exchange[me] = predicate ? 1u : 0u;
+  ::dartree_emu::warp_barrier();
+  unsigned bits = 0;
+  for (unsigned lane = 0; lane < 32 && warp_base + lane < rt.fibers.size(); ++lane) {
+    const ::dartree_emu::Fiber& f = rt.fibers[warp_base + lane];
+    // an exited lane contributes nothing; a waiting lane has published its predicate
+    if (f.state != ::dartree_emu::FiberState::kDone && rt.exchange[warp_base + lane]) bits |= 1u << lane;
+  }
+  ::dartree_emu::warp_barrier();
+  return bits & mask;
+}
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, !predicate) == 0; }
+
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(x)); }
+template <typename T>
+T __ldg(const T* p) { return *p; }
+
+// Fibers never run concurrently, so a plain read-modify-write is atomic.
+template <typename T> T atomicAdd(T* a, T v) { T old = *a; *a = old + v; return old; }
+template <typename T> T atomicSub(T* a, T v) { T old = *a; *a = old - v; return old; }
+template <typename T> T atomicMin(T* a, T v) { T old = *a; *a = v < old ? v : old; return old; }
+template <typename T> T atomicMax(T* a, T v) { T old = *a; *a = v > old ? v : old; return old; }
+template <typename T> T atomicExch(T* a, T v) { T old = *a; *a = v; return old; }
+template <typename T> T atomicOr(T* a, T v) { T old = *a; *a = old | v; return old; }
+template <typename T> T atomicAnd(T* a, T v) { T old = *a; *a = old & v; return old; }
+template <typename T> T atomicCAS(T* a, T compare, T v) { T old = *a; if (old == compare) *a = v; return old; }
+
+#define DARTREE_SHARED_ARRAY(T, name, count)   \
+  static char name##_shared_key_;            \
+  T* name = ::dartree_emu::static_shared_array<T>(&name##_shared_key_, (count))
+#define DARTREE_DYNAMIC_SHARED(T, name) \
+  T* name = reinterpret_cast<T*>(::dartree_emu::runtime().dynamic_shared.data())
+#define DARTREE_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
+  ((void)(stream), ::dartree_emu::launch((grid), (block), (shared_bytes), [=]() { kernel(__VA_ARGS__); }))

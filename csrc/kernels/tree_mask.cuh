@@ -1,0 +1,173 @@
+// Device code for the tree-structure ops: ancestor bit masks, the additive tree-attention mask,
+// and first-child / next-sibling links. Layout (DESIGN.md): per request b, node 0 is the root,
+// parents[b, i] < i for valid nodes, nodes >= num_nodes[b] are padding.
+#pragma once
+
+#include "common.cuh"
+
+namespace dartree {
+namespace kernels {
+
+constexpr int kAncestorThreads = 256;
+constexpr int kMaskRowsPerBlock = 8;
+constexpr int kMaskThreads = 256;
+constexpr int kLinksThreads = 256;
+
+DARTREE_HOST_DEVICE int words_for(int n) { return (n + 63) / 64; }
+
+// Loads the sanitized parents of nodes [0, end) of one request into shared memory. Every
+// ancestor of a node has a smaller index, so rows below `end` need nothing beyond it.
+template <typename Index>
+DARTREE_DEVICE void load_parents(const int32_t* parents, int n, int end, Index* s_parent) {
+  for (int i = threadIdx.x; i < end; i += blockDim.x) s_parent[i] = static_cast<Index>(sanitized_parent(parents, i, n));
+}
+
+// grid (ceil(N / threads), B). One thread per row: the root path visits strictly decreasing
+// indices, so the row's 64-bit words are produced high to low, each written exactly once.
+__global__ void tree_ancestor_bits_kernel(const int32_t* parents, const int32_t* num_nodes, int n_max,
+                                          uint64_t* bits, int32_t* depths) {
+  DARTREE_DYNAMIC_SHARED(int32_t, s_parent);
+  const int b = blockIdx.y;
+  const int n = sanitized_count(num_nodes[b], n_max);
+  const int words = words_for(n_max);
+  const int row_begin = blockIdx.x * blockDim.x;
+  const int row_end = min_int(row_begin + blockDim.x, n_max);
+  load_parents(parents + static_cast<int64_t>(b) * n_max, n, min_int(row_end, n), s_parent);
+  __syncthreads();
+
+  const int i = row_begin + threadIdx.x;
+  if (i >= n_max) return;
+  const int64_t row_index = static_cast<int64_t>(b) * n_max + i;
+  uint64_t* row = bits + row_index * words;
+  if (i >= n) {  // padding: only itself, depth -1
+    for (int w = 0; w < words; ++w) row[w] = (w == (i >> 6)) ? (1ull << (i & 63)) : 0ull;
+    depths[row_index] = -1;
+    return;
+  }
+  int node = i;
+  int depth = -1;
+  for (int w = words - 1; w >= 0; --w) {
+    uint64_t acc = 0;
+    while (node >= 0 && (node >> 6) == w) {
+      acc |= 1ull << (node & 63);
+      node = s_parent[node];
+      ++depth;
+    }
+    row[w] = acc;
+  }
+  depths[row_index] = depth;
+}
+
+inline void launch_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
+                                      uint64_t* bits, int32_t* depths, cudaStream_t stream) {
+  if (batch == 0 || n_max == 0) return;
+  const dim3 grid(static_cast<unsigned>((n_max + kAncestorThreads - 1) / kAncestorThreads), static_cast<unsigned>(batch));
+  const size_t shared = sizeof(int32_t) * static_cast<size_t>(n_max);
+  DARTREE_LAUNCH(tree_ancestor_bits_kernel, grid, dim3(kAncestorThreads), shared, stream, parents, num_nodes, n_max,
+                 bits, depths);
+}
+
+// grid (ceil(N / kMaskRowsPerBlock), B). The block first builds the ancestor words of its rows in
+// shared memory, then all threads stream the rows out coalesced. `Bits` is the unsigned integer
+// of the output dtype's width: visible is +0.0 (all bits zero in every float format) and hidden
+// is the bit pattern of finfo(dtype).min, computed on the host, so no half types reach here.
+template <typename Bits>
+__global__ void tree_attention_mask_kernel(const int32_t* parents, const int32_t* num_nodes,
+                                           const uint8_t* past_key_mask, int n_max, int past, Bits hidden,
+                                           Bits* out) {
+  DARTREE_DYNAMIC_SHARED(uint64_t, s_words);
+  const int words = words_for(n_max);
+  int32_t* s_parent = reinterpret_cast<int32_t*>(s_words + kMaskRowsPerBlock * words);
+  const int b = blockIdx.y;
+  const int n = sanitized_count(num_nodes[b], n_max);
+  const int row_begin = blockIdx.x * kMaskRowsPerBlock;
+  const int rows = min_int(kMaskRowsPerBlock, n_max - row_begin);
+  load_parents(parents + static_cast<int64_t>(b) * n_max, n, min_int(row_begin + rows, n), s_parent);
+  for (int w = threadIdx.x; w < kMaskRowsPerBlock * words; w += blockDim.x) s_words[w] = 0;
+  __syncthreads();
+
+  if (static_cast<int>(threadIdx.x) < rows) {
+    uint64_t* row_words = s_words + threadIdx.x * words;
+    const int i = row_begin + threadIdx.x;
+    if (i < n) {
+      for (int node = i; node >= 0; node = s_parent[node]) row_words[node >> 6] |= 1ull << (node & 63);
+    } else {
+      row_words[i >> 6] = 1ull << (i & 63);  // padding sees only itself
+    }
+  }
+  __syncthreads();
+
+  const int64_t columns = static_cast<int64_t>(past) + n_max;
+  const uint8_t* past_row = past_key_mask + static_cast<int64_t>(b) * past;
+  for (int r = 0; r < rows; ++r) {
+    const int i = row_begin + r;
+    const bool valid = i < n;
+    const uint64_t* row_words = s_words + r * words;
+    Bits* out_row = out + (static_cast<int64_t>(b) * n_max + i) * columns;
+    for (int64_t c = threadIdx.x; c < columns; c += blockDim.x) {
+      bool visible;
+      if (c < past) {
+        visible = valid && past_row[c] != 0;
+      } else {
+        const int j = static_cast<int>(c - past);
+        visible = (row_words[j >> 6] >> (j & 63)) & 1ull;
+      }
+      out_row[c] = visible ? Bits(0) : hidden;
+    }
+  }
+}
+
+template <typename Bits>
+void launch_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
+                                int batch, int n_max, int past, Bits hidden, Bits* out, cudaStream_t stream) {
+  if (batch == 0 || n_max == 0) return;
+  const dim3 grid(static_cast<unsigned>((n_max + kMaskRowsPerBlock - 1) / kMaskRowsPerBlock), static_cast<unsigned>(batch));
+  const size_t shared = sizeof(uint64_t) * kMaskRowsPerBlock * static_cast<size_t>(words_for(n_max)) +
+                        sizeof(int32_t) * static_cast<size_t>(n_max);
+  auto kernel = tree_attention_mask_kernel<Bits>;
+  DARTREE_LAUNCH(kernel, grid, dim3(kMaskThreads), shared, stream, parents, num_nodes, past_key_mask, n_max, past,
+                 hidden, out);
+}
+
+// grid (B). Building sibling lists is a short sequential pass in shared memory (children are
+// pushed from the highest index down, so each list ends up in index order); the block loads the
+// parents and writes the links out in parallel. int16 indices keep both arrays within 32 KiB.
+__global__ void tree_links_kernel(const int32_t* parents, const int32_t* num_nodes, int n_max,
+                                  int32_t* next_token, int32_t* next_sibling) {
+  DARTREE_DYNAMIC_SHARED(int16_t, s_parent);
+  int16_t* s_first_child = s_parent + n_max;
+  int16_t* s_next_sibling = s_first_child + n_max;
+  const int b = blockIdx.x;
+  const int n = sanitized_count(num_nodes[b], n_max);
+  load_parents(parents + static_cast<int64_t>(b) * n_max, n, n, s_parent);
+  for (int i = threadIdx.x; i < n_max; i += blockDim.x) {
+    s_first_child[i] = -1;
+    s_next_sibling[i] = -1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = n - 1; i >= 1; --i) {
+      const int p = s_parent[i];
+      if (p < 0) continue;
+      s_next_sibling[i] = s_first_child[p];
+      s_first_child[p] = static_cast<int16_t>(i);
+    }
+  }
+  __syncthreads();
+  const int64_t base = static_cast<int64_t>(b) * n_max;
+  for (int i = threadIdx.x; i < n_max; i += blockDim.x) {
+    next_token[base + i] = s_first_child[i];
+    next_sibling[base + i] = s_next_sibling[i];
+  }
+}
+
+inline void launch_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
+                              int32_t* next_token, int32_t* next_sibling, cudaStream_t stream) {
+  if (batch == 0 || n_max == 0) return;
+  const size_t shared = 3 * sizeof(int16_t) * static_cast<size_t>(n_max);
+  DARTREE_LAUNCH(tree_links_kernel, dim3(static_cast<unsigned>(batch)), dim3(kLinksThreads), shared, stream, parents,
+                 num_nodes, n_max, next_token, next_sibling);
+}
+
+}  // namespace kernels
+}  // namespace dartree

@@ -1,0 +1,48 @@
+"""Turning the target's logits at the tree nodes into the tokens verification walks along."""
+from __future__ import annotations
+
+import torch
+
+
+def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    k = min(top_k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    # drop a token once the mass strictly before it already reaches top_p (the top token stays)
+    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                              top_p: float | None = None,
+                              generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's token after each node: ``int64[...]`` from ``logits [..., V]``.
+
+    ``temperature == 0`` takes the argmax (ties to the lowest token id). ``temperature > 0``
+    samples from ``softmax(logits / temperature)`` restricted by ``top_k`` and ``top_p`` (the
+    same warpers, in the same order, as HuggingFace's sampling), with ``generator`` for
+    reproducibility. Verifying against these samples is lossless: every emitted token is a
+    sample of the target.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    scaled = logits.float() / temperature
+    if top_k is not None:
+        scaled = _filter_top_k(scaled, top_k)
+    if top_p is not None and top_p < 1.0:
+        scaled = _filter_top_p(scaled, top_p)
+    probs = scaled.softmax(-1)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.view(logits.shape[:-1])

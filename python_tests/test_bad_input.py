@@ -1,0 +1,148 @@
+"""Bad input raises an error that names the argument and the expectation: one test per case.
+Value checks (topology, num_nodes range) run in the CPU kernels, and on CUDA with validate=True."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dartree_ext
+from dartree_ext import ops
+from conftest import cuda_available
+from trees import HAND_NUM_NODES, HAND_PARENTS, HAND_TOKENS
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+TREE_OPS = {
+    "tree_ancestor_bits": lambda p, n: ops.tree_ancestor_bits(p, n, validate=True),
+    "tree_links": lambda p, n: ops.tree_links(p, n, validate=True),
+    "tree_attention_mask": lambda p, n: ops.tree_attention_mask(
+        p, n, torch.ones(p.shape[0], 2, dtype=torch.bool, device=p.device), validate=True),
+    "verify_tree": lambda p, n: ops.verify_tree(
+        torch.zeros(p.shape, dtype=torch.int64, device=p.device), p, n,
+        torch.zeros(p.shape, dtype=torch.int64, device=p.device), validate=True),
+}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(params=sorted(TREE_OPS))
+def tree_op(request):
+    return TREE_OPS[request.param]
+
+
+def test_parent_not_topological(tree_op, device):
+    parents = HAND_PARENTS.clone()
+    parents[0, 3] = 5  # a parent after its child
+    with pytest.raises(ValueError, match=r"parents\[0, 3\] = 5 .*0 <= parent < 3"):
+        tree_op(parents.to(device), HAND_NUM_NODES.to(device))
+
+
+def test_parent_out_of_range(tree_op, device):
+    parents = HAND_PARENTS.clone()
+    parents[0, 2] = -4
+    with pytest.raises(ValueError, match=r"parents\[0, 2\] = -4"):
+        tree_op(parents.to(device), HAND_NUM_NODES.to(device))
+
+
+def test_self_parent(tree_op, device):
+    parents = HAND_PARENTS.clone()
+    parents[0, 4] = 4
+    with pytest.raises(ValueError, match=r"parents\[0, 4\] = 4"):
+        tree_op(parents.to(device), HAND_NUM_NODES.to(device))
+
+
+@pytest.mark.parametrize("count", [0, -1, 9])
+def test_num_nodes_outside_range(tree_op, device, count):
+    with pytest.raises(ValueError, match=rf"num_nodes\[0\] = {count} is outside \[1, 8\]"):
+        tree_op(HAND_PARENTS.to(device), torch.tensor([count], dtype=torch.int32, device=device))
+
+
+def test_parents_wrong_dtype(tree_op, device):
+    with pytest.raises(RuntimeError, match="parents must be Int"):
+        tree_op(HAND_PARENTS.long().to(device), HAND_NUM_NODES.to(device))
+
+
+def test_num_nodes_wrong_dtype(tree_op, device):
+    with pytest.raises(RuntimeError, match="num_nodes must be Int"):
+        tree_op(HAND_PARENTS.to(device), HAND_NUM_NODES.long().to(device))
+
+
+def test_num_nodes_wrong_batch(tree_op, device):
+    with pytest.raises(RuntimeError, match=r"num_nodes must have shape \[1\]"):
+        tree_op(HAND_PARENTS.to(device), torch.tensor([7, 7], dtype=torch.int32, device=device))
+
+
+def test_parents_not_contiguous(tree_op, device):
+    parents = torch.full((8, 8), -1, dtype=torch.int32, device=device).t()
+    with pytest.raises(RuntimeError, match="parents must be contiguous"):
+        tree_op(parents, torch.ones(8, dtype=torch.int32, device=device))
+
+
+def test_parents_wrong_rank(tree_op, device):
+    with pytest.raises(RuntimeError, match="parents must be 2-D"):
+        tree_op(HAND_PARENTS[0].to(device), HAND_NUM_NODES.to(device))
+
+
+def test_too_many_nodes(tree_op, device):
+    n = ops.MAX_TREE_NODES + 1
+    parents = torch.full((1, n), -1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=f"1..{ops.MAX_TREE_NODES} nodes per request"):
+        tree_op(parents, torch.ones(1, dtype=torch.int32, device=device))
+
+
+def test_max_nodes_matches_build():
+    assert dartree_ext.build_info()["max_tree_nodes"] == ops.MAX_TREE_NODES
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_device_mix():
+    with pytest.raises(RuntimeError, match="num_nodes is on cpu but parents is on cuda"):
+        ops.tree_links(HAND_PARENTS.cuda(), HAND_NUM_NODES)
+
+
+def test_device_mix_is_caught_while_tracing():
+    with pytest.raises(RuntimeError, match="num_nodes is on meta but parents is on cpu"):
+        ops.tree_links(HAND_PARENTS, HAND_NUM_NODES.to("meta"))
+
+
+def test_mask_past_key_mask_wrong_dtype(device):
+    with pytest.raises(RuntimeError, match="past_key_mask must be Bool"):
+        ops.tree_attention_mask(HAND_PARENTS.to(device), HAND_NUM_NODES.to(device),
+                                torch.ones(1, 4, dtype=torch.int32, device=device))
+
+
+def test_mask_past_key_mask_wrong_batch(device):
+    with pytest.raises(RuntimeError, match="past_key_mask must have batch size 1"):
+        ops.tree_attention_mask(HAND_PARENTS.to(device), HAND_NUM_NODES.to(device),
+                                torch.ones(2, 4, dtype=torch.bool, device=device))
+
+
+def test_mask_integer_dtype(device):
+    with pytest.raises(RuntimeError, match="dtype must be float32, float16, bfloat16 or float64"):
+        ops.tree_attention_mask(HAND_PARENTS.to(device), HAND_NUM_NODES.to(device),
+                                torch.ones(1, 4, dtype=torch.bool, device=device), torch.int32)
+
+
+def test_verify_tokens_wrong_dtype(device):
+    with pytest.raises(RuntimeError, match="tokens must be Long"):
+        ops.verify_tree(HAND_TOKENS.int().to(device), HAND_PARENTS.to(device), HAND_NUM_NODES.to(device),
+                        HAND_TOKENS.to(device))
+
+
+def test_verify_target_wrong_shape(device):
+    with pytest.raises(RuntimeError, match=r"target_tokens must have shape \[1, 8\]"):
+        ops.verify_tree(HAND_TOKENS.to(device), HAND_PARENTS.to(device), HAND_NUM_NODES.to(device),
+                        HAND_TOKENS[:, :4].contiguous().to(device))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
+    ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+])
+def test_sampling_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dartree_ext.target_tokens_from_logits(torch.zeros(2, 5), **kwargs)

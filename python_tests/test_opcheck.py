@@ -1,0 +1,44 @@
+"""torch.library.opcheck on every op: schema, fake kernel, dispatch and autograd registration."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cuda_available
+from trees import random_batch
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+
+
+def _sample_args(name: str, device: str):
+    parents, num_nodes = random_batch(3, 70, seed=11)
+    parents, num_nodes = parents.to(device), num_nodes.to(device)
+    if name in ("tree_ancestor_bits", "tree_links"):
+        return (parents, num_nodes)
+    if name == "tree_attention_mask":
+        return (parents, num_nodes, torch.rand(3, 9, device=device) < 0.5, torch.bfloat16)
+    tokens = torch.randint(0, 3, parents.shape, device=device)
+    return (tokens, parents, num_nodes, torch.randint(0, 3, parents.shape, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree"])
+def test_opcheck(name, device):
+    op = getattr(torch.ops.dartree_ext, name).default
+    torch.library.opcheck(op, _sample_args(name, device))
+
+
+def test_ops_compile_with_fullgraph():
+    from dartree_ext import ops
+
+    parents, num_nodes = random_batch(2, 20, seed=3)
+    past = torch.ones(2, 4, dtype=torch.bool)
+
+    def round_masks(parents, num_nodes, past):
+        bits, depths = ops.tree_ancestor_bits(parents, num_nodes)
+        return ops.tree_attention_mask(parents, num_nodes, past, torch.float16), depths + 1
+
+    compiled = torch.compile(round_masks, fullgraph=True, backend="eager")
+    expected = round_masks(parents, num_nodes, past)
+    actual = compiled(parents, num_nodes, past)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))

@@ -1,0 +1,65 @@
+"""target_tokens_from_logits: argmax at T = 0; at T > 0 samples whose distribution matches the
+warped softmax (checked by counts over many draws, with a stated tolerance, not by one seed)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dartree_ext import target_tokens_from_logits
+
+DRAWS = 40_000
+
+
+def _frequencies(logits: torch.Tensor, **kwargs) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    rows = logits.expand(DRAWS, -1)
+    tokens = target_tokens_from_logits(rows, generator=gen, **kwargs)
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double() / DRAWS
+
+
+def _assert_close_in_distribution(freq: torch.Tensor, probs: torch.Tensor) -> None:
+    # each count is binomial: allow 5 standard deviations (a false alarm about once in 10^6 runs)
+    for f, p in zip(freq.tolist(), probs.tolist()):
+        sigma = math.sqrt(max(p * (1 - p), 1e-12) / DRAWS)
+        assert abs(f - p) <= 5 * sigma + 1e-9, (freq, probs)
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    logits = torch.tensor([[0.1, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    assert target_tokens_from_logits(logits).tolist() == [1, 0]
+
+
+def test_shape_follows_logits():
+    logits = torch.randn(2, 7, 11)
+    assert target_tokens_from_logits(logits).shape == (2, 7)
+    assert target_tokens_from_logits(logits, temperature=0.7).shape == (2, 7)
+
+
+def test_temperature_sampling_matches_softmax():
+    logits = torch.tensor([[1.0, 0.0, -0.5, 2.0, 0.3]])
+    for temperature in (0.5, 1.0, 2.0):
+        probs = (logits / temperature).softmax(-1)[0].double()
+        _assert_close_in_distribution(_frequencies(logits, temperature=temperature), probs)
+
+
+def test_top_k_keeps_the_k_best_renormalized():
+    logits = torch.tensor([[1.0, 0.0, -0.5, 2.0, 0.3]])
+    freq = _frequencies(logits, temperature=1.0, top_k=2)
+    probs = torch.zeros(5, dtype=torch.float64)
+    probs[[0, 3]] = logits[0, [0, 3]].double().softmax(-1)
+    _assert_close_in_distribution(freq, probs)
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log().float()[None]
+    freq = _frequencies(logits, temperature=1.0, top_p=0.75)  # 0.5 + 0.3 reaches 0.75: keep two
+    _assert_close_in_distribution(freq, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_generator_makes_it_reproducible():
+    logits = torch.randn(64, 50)
+    a = target_tokens_from_logits(logits, 1.0, generator=torch.Generator().manual_seed(5))
+    b = target_tokens_from_logits(logits, 1.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)

@@ -1,0 +1,96 @@
+"""Build of dartree_ext: the `dartree_ext._C` extension (C++ CPU kernels, CUDA kernels when
+available) and the Python package.
+
+Environment:
+  DARTREE_FORCE_CUDA=1   build the CUDA kernels even where torch sees no GPU (needs nvcc)
+  DARTREE_FORCE_CPU=1    skip the CUDA kernels
+  TORCH_CUDA_ARCH_LIST   CUDA archs (default "8.0;8.9;9.0")
+  DARTREE_PTXAS_VERBOSE=1  pass -v to ptxas (register and spill report; .ci/run reads it)
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+# torch guesses CUDA_HOME from the nvcc on PATH; a wrapper in /usr/local/bin would make it
+# /usr/local, which has no lib64/libcudart. Prefer the conventional toolkit location.
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+DEFAULT_ARCHS = "8.0;8.9;9.0"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _with_cuda() -> bool:
+    if _flag("DARTREE_FORCE_CPU"):
+        return False
+    if _flag("DARTREE_FORCE_CUDA"):
+        if CUDA_HOME is None:
+            raise RuntimeError("DARTREE_FORCE_CUDA=1 but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
+        if torch.version.cuda is None:
+            raise RuntimeError("DARTREE_FORCE_CUDA=1 but torch is a CPU-only build; install a CUDA build of torch")
+        return True
+    return CUDA_HOME is not None and torch.version.cuda is not None
+
+
+def _cuda_library_includes() -> list[str]:
+    """Headers of the CUDA libraries torch's CUDA headers include (cuBLAS, cuSPARSE, cuSOLVER).
+    A bare toolkit (nvcc + cudart) lacks them; the CUDA build of torch ships them in its
+    nvidia-* wheels, so use those when the toolkit has none."""
+    if os.path.exists(os.path.join(CUDA_HOME, "include", "cusparse.h")):
+        return []
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    found = []
+    for root in nvidia.__path__:
+        found += sorted(os.path.dirname(h) for h in glob.glob(os.path.join(root, "*", "include", "cusparse.h")))
+    return found[:1]
+
+
+def _extension():
+    with_cuda = _with_cuda()
+    sources = ["csrc/dartree_ext.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    define_macros = [
+        ("DARTREE_PYTHON_MODULE", None),
+        ("DARTREE_TORCH_VERSION", f'"{torch.__version__}"'),
+    ]
+    cxx_flags = ["-O3", "-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    if not with_cuda:
+        return CppExtension("dartree_ext._C", sources, define_macros=define_macros,
+                            extra_compile_args={"cxx": cxx_flags})
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    define_macros += [
+        ("DARTREE_WITH_CUDA", None),
+        ("DARTREE_CUDA_ARCHS", f'"{archs}"'),
+        ("DARTREE_CUDA_VERSION", f'"{torch.version.cuda}"'),
+    ]
+    nvcc_flags = ["-O3", "-std=c++20", "--Werror", "all-warnings", "-lineinfo"]
+    if _flag("DARTREE_PTXAS_VERBOSE"):
+        nvcc_flags += ["-Xptxas", "-v"]
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    return CUDAExtension("dartree_ext._C", sources, define_macros=define_macros,
+                         include_dirs=_cuda_library_includes(),
+                         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags})
+
+
+setup(
+    name="dartree_ext",
+    version="0.1.0",
+    description="Fast, lossless speculative decoding with draft trees: C++/CUDA ops for PyTorch",
+    packages=find_packages(include=["dartree_ext", "dartree_ext.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "numpy"],
+    entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main"]},
+    zip_safe=False,
+)
