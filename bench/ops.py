@@ -1,7 +1,12 @@
 """Microbenchmarks: every op against its pure-PyTorch reference, side by side in one run.
 
     python bench/ops.py                 # CPU, and CUDA when present
-    python bench/ops.py --device cpu --batch 8 --nodes 65 193 --past 256
+    python bench/ops.py --device cpu --batch 8 --nodes 65 193 --past 256 --only tree
+    python bench/ops.py --only select --select-batch 1 8 32
+
+Tree ops run at each --batch and --nodes; selection ops at the shapes of the DARTree paper:
+select_top_w at P = 12 parents x K = 64 candidates -> W = 12, select_top_b on a 16 x 12 = 192-node
+supertree (plus root) -> B = 64, and ddtree_heap with D = 16, K = 64 at budgets 64, 256, 1024.
 
 Prints a markdown table: median time per call of ours and of the reference, the ratio, and the
 size of the op's output (plus peak allocated memory on CUDA).
@@ -30,7 +35,7 @@ class Row:
     op: str
     device: str
     batch: int
-    nodes: int
+    shape: str
     ours_us: float
     reference_us: float
     output_mb: float
@@ -94,31 +99,78 @@ def cases(batch: int, n_max: int, past: int, device: torch.device):
            lambda: reference.verify_tree(tokens, parents, num_nodes, target))
 
 
-def run(devices: list[str], batches: list[int], nodes: list[int], past: int) -> list[Row]:
+def supertree(batch: int, depth: int, width: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A DARTree-shaped supertree: `width` nodes per depth, each child of a random node of the
+    previous depth, with scores that never increase along a path (depth bonus -0.2)."""
+    parents = torch.full((batch, 1 + depth * width), -1, dtype=torch.int32)
+    parents[:, 1: 1 + width] = 0
+    for d in range(1, depth):
+        first_prev = 1 + (d - 1) * width
+        parents[:, 1 + d * width: 1 + (d + 1) * width] = first_prev + torch.randint(0, width, (batch, width),
+                                                                                     generator=gen, dtype=torch.int32)
+    step = torch.log(torch.rand(batch, 1 + depth * width, generator=gen)) - 0.2
+    scores = torch.zeros(batch, 1 + depth * width)
+    for i in range(1, scores.shape[1]):
+        scores[:, i] = scores.gather(1, parents[:, i:i + 1].long())[:, 0] + step[:, i]
+    return parents, scores, torch.full((batch,), parents.shape[1], dtype=torch.int32)
+
+
+def select_cases(batch: int, device: torch.device, heap_budgets: list[int]):
+    gen = torch.Generator().manual_seed(batch)
+    parent_scores = torch.randn(batch, 12, generator=gen).to(device)
+    child_logprobs = torch.log_softmax(torch.randn(batch, 12, 64, generator=gen), -1).to(device)
+    num_parents = torch.full((batch,), 12, dtype=torch.int32, device=device)
+    yield ("select_top_w", "P=12 K=64 W=12", lambda: ops.select_top_w(parent_scores, child_logprobs, num_parents, 12),
+           lambda: reference.select_top_w(parent_scores, child_logprobs, num_parents, 12))
+    parents, scores, num_nodes = (t.to(device) for t in supertree(batch, 16, 12, gen))
+    yield ("select_top_b", "N=193 -> B=64", lambda: ops.select_top_b(parents, scores, num_nodes, 64),
+           lambda: reference.select_top_b(parents, scores, num_nodes, 64))
+    logprobs = torch.sort(torch.log_softmax(torch.randn(batch, 16, 64, generator=gen), -1), -1, descending=True).values
+    token_ids = torch.randint(0, 49152, (batch, 16, 64), generator=gen)
+    roots = torch.randint(0, 49152, (batch,), generator=gen)
+    logprobs, token_ids, roots = logprobs.to(device), token_ids.to(device), roots.to(device)
+    for budget in heap_budgets:
+        yield ("ddtree_heap", f"D=16 K=64 B={budget}", lambda b=budget: ops.ddtree_heap(logprobs, token_ids, roots, b),
+               lambda b=budget: reference.ddtree_heap(logprobs, token_ids, roots, b))
+
+
+def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref) -> Row:
+    device = torch.device(dev_name)
+    out = ours()
+    expected = ref()
+    same = all(torch.equal(a, b) for a, b in zip(
+        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)))
+    if not same:
+        raise AssertionError(f"{name} {shape} on {dev_name}: ours and the reference disagree")
+    peak_ours, peak_ref = _peak_mb(ours, device), _peak_mb(ref, device)
+    peak = "-" if peak_ours is None else f"{peak_ours:.2f} / {peak_ref:.2f}"
+    return Row(name, dev_name, batch, shape, median_time_us(ours, device), median_time_us(ref, device),
+               _output_mb(out), peak)
+
+
+def run(devices: list[str], batches: list[int], nodes: list[int], past: int, select_batches: list[int],
+        heap_budgets: list[int], only: str | None) -> list[Row]:
     rows = []
     for dev_name in devices:
         device = torch.device(dev_name)
+        if only in (None, "select"):
+            for batch in select_batches:
+                for name, shape, ours, ref in select_cases(batch, device, heap_budgets):
+                    rows.append(measure(name, shape, batch, dev_name, ours, ref))
+        if only not in (None, "tree"):
+            continue
         for batch in batches:
             for n_max in nodes:
                 for name, ours, ref in cases(batch, n_max, past, device):
-                    out = ours()
-                    expected = ref()
-                    same = all(torch.equal(a, b) for a, b in zip(
-                        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)))
-                    if not same:
-                        raise AssertionError(f"{name} on {dev_name}: ours and the reference disagree")
-                    peak_ours, peak_ref = _peak_mb(ours, device), _peak_mb(ref, device)
-                    peak = "-" if peak_ours is None else f"{peak_ours:.2f} / {peak_ref:.2f}"
-                    rows.append(Row(name, dev_name, batch, n_max, median_time_us(ours, device),
-                                    median_time_us(ref, device), _output_mb(out), peak))
+                    rows.append(measure(name, f"N={n_max}", batch, dev_name, ours, ref))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| op | device | B | N | ours (us) | reference (us) | speedup | output (MiB) | peak ours / ref (MiB) |",
+    lines = ["| op | device | batch | shape | ours (us) | reference (us) | speedup | output (MiB) | peak ours / ref (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.op} | {r.device} | {r.batch} | {r.nodes} | {r.ours_us:.1f} | {r.reference_us:.1f} | "
+        lines.append(f"| {r.op} | {r.device} | {r.batch} | {r.shape} | {r.ours_us:.1f} | {r.reference_us:.1f} | "
                      f"{r.speedup:.1f}x | {r.output_mb:.3f} | {r.peak_mb} |")
     return "\n".join(lines)
 
@@ -130,12 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[8])
     parser.add_argument("--nodes", type=int, nargs="+", default=[65, 193])
     parser.add_argument("--past", type=int, default=256, help="cached positions in the attention mask")
+    parser.add_argument("--select-batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--heap-budget", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--only", choices=["tree", "select"], default=None)
     args = parser.parse_args(argv)
     info = dartree_ext.build_info()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dartree_ext CUDA kernels: {info['cuda']}")
     if "cuda" in args.device:
         print(f"GPU: {torch.cuda.get_device_name()}")
-    print(format_table(run(args.device, args.batch, args.nodes, args.past)))
+    print(format_table(run(args.device, args.batch, args.nodes, args.past, args.select_batch, args.heap_budget,
+                           args.only)))
     return 0
 
 

@@ -26,6 +26,16 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "verify_tree(Tensor tokens, Tensor parents, Tensor num_nodes, Tensor target_tokens) -> "
       "(Tensor accept_nodes, Tensor accept_len, Tensor bonus)");
+  // select area
+  m.def(
+      "select_top_w(Tensor parent_scores, Tensor child_logprobs, Tensor num_parents, int width) -> "
+      "(Tensor parent_idx, Tensor child_k, Tensor scores)");
+  m.def(
+      "select_top_b(Tensor parents, Tensor scores, Tensor num_nodes, int budget) -> "
+      "(Tensor keep, Tensor new_parents, Tensor num_kept)");
+  m.def(
+      "ddtree_heap(Tensor logprobs, Tensor token_ids, Tensor root_tokens, int budget) -> "
+      "(Tensor tokens, Tensor parents, Tensor depths, Tensor scores, Tensor num_nodes)");
 }
 
 #ifdef DARTREE_PYTHON_MODULE
@@ -42,6 +52,7 @@ pybind11::dict build_info() {
   info["cuda_version"] = DARTREE_CUDA_VERSION;
   info["cuda_archs"] = DARTREE_CUDA_ARCHS;
   info["max_tree_nodes"] = 8192;
+  info["max_heap_budget"] = 2048;
   return info;
 }
 

@@ -6,13 +6,23 @@ Importing the package loads the native library, which registers the ops under
 """
 import torch  # noqa: F401  (the native library links against torch's)
 
-from . import _C  # noqa: F401  (registers torch.ops.dartree_ext.*)
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.dartree_ext.*)
+except ImportError as e:  # pragma: no cover - depends on how the package was installed
+    raise ImportError(
+        "dartree_ext's native library is missing. Importing from a source checkout needs an in-place build "
+        "(`python setup.py build_ext --inplace` or `pip install --no-build-isolation -e .`); after "
+        "`pip install .`, run Python from outside the source tree.") from e
 from ._C import build_info
-from .ops import tree_ancestor_bits, tree_attention_mask, tree_links, verify_tree
+from .ops import (ddtree_heap, select_top_b, select_top_w, tree_ancestor_bits, tree_attention_mask, tree_links,
+                  verify_tree)
 from .sampling import target_tokens_from_logits
 
 __all__ = [
     "build_info",
+    "ddtree_heap",
+    "select_top_b",
+    "select_top_w",
     "target_tokens_from_logits",
     "tree_ancestor_bits",
     "tree_attention_mask",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 MAX_TREE_NODES = 8192
+MAX_HEAP_BUDGET = 2048
 
 _ops = torch.ops.dartree_ext
 
@@ -102,6 +103,71 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Te
     return _ops.verify_tree.default(tokens, parents, num_nodes, target_tokens)
 
 
+def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_parents: torch.Tensor,
+                 width: int, *, validate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``width`` best children of a depth, over all valid parents of each request.
+
+    ``parent_scores float32[B, P]``, ``child_logprobs float32[B, P, K]`` (the log-probs of each
+    parent's K candidates), ``num_parents int32[B]`` (parents ``p >= num_parents[b]`` are
+    ignored). A child's score is ``parent_scores[b, p] + child_logprobs[b, p, k]``.
+
+    Returns ``parent_idx int32[B, W]``, ``child_k int32[B, W]`` and ``scores float32[B, W]``,
+    best first; ties go to the lower flat index ``p * K + k``; NaN scores rank as -inf. Where a
+    request has fewer than W children, the rest is padded with -1, -1 and -inf.
+    """
+    if validate and parent_scores.device.type != "cpu":
+        bad = (num_parents < 0) | (num_parents > parent_scores.shape[1])
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"select_top_w: num_parents[{b}] = {int(num_parents[b])} is outside "
+                             f"[0, {parent_scores.shape[1]}]")
+    return _ops.select_top_w.default(parent_scores, child_logprobs, num_parents, width)
+
+
+def select_top_b(parents: torch.Tensor, scores: torch.Tensor, num_nodes: torch.Tensor, budget: int, *,
+                 validate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prune a tree to its root plus at most ``budget`` nodes, best first.
+
+    Semantics are best-first heap selection: starting from the root, repeatedly keep the best
+    node (highest ``scores float32[B, N]``, then lowest index; NaN ranks as -inf) whose parent
+    is already kept. The result is therefore always prefix-closed, whatever the scores. When no
+    score exceeds its parent's (DARTree with a depth bonus <= 0), the heap's choice is exactly
+    the global top-``budget`` of the non-root nodes in that order (DARTree's Lemma 1), and the
+    kernels take that fast path; otherwise they run the heap.
+
+    Returns ``keep int32[B, budget + 1]`` (kept node indices in ascending order, so still
+    topological, root first, padded with -1), ``new_parents int32[B, budget + 1]`` (parents as
+    indices into ``keep``, -1 for the root and padding) and ``num_kept int32[B]`` (root included).
+    """
+    _maybe_check(parents, num_nodes, validate, "select_top_b")
+    return _ops.select_top_b.default(parents, scores, num_nodes, budget)
+
+
+def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor, budget: int, *,
+                validate: bool = False) -> tuple[torch.Tensor, ...]:
+    """DDTree's best-first draft tree over per-position marginals.
+
+    ``logprobs float32[B, D, K]`` holds, for each of D draft positions, the log-probs of its K
+    candidates sorted in descending order (checked), ``token_ids int64[B, D, K]`` their tokens
+    and ``root_tokens int64[B]`` the last committed tokens. A node is a prefix of candidate ranks
+    (one per depth) scored by the sum of their log-probs. Starting from the first candidate of
+    depth 1, pop the best prefix, add it to the tree, push its next sibling and its first child;
+    stop after ``budget`` nodes (at most :data:`MAX_HEAP_BUDGET`) or when nothing is left. Ties
+    go to the prefix pushed first.
+
+    Returns the tree in pop order (topological): ``tokens int64[B, budget + 1]``,
+    ``parents int32``, ``depths int32``, ``scores float32`` (root 0) and ``num_nodes int32[B]``
+    (root included); padding has token 0, parent -1, depth -1, score -inf.
+    """
+    if validate and logprobs.device.type != "cpu":
+        unsorted = (logprobs[..., 1:] > logprobs[..., :-1]) | logprobs.isnan()[..., 1:] | logprobs.isnan()[..., :-1]
+        if bool(unsorted.any()):
+            b, d, j = (int(v) for v in unsorted.nonzero()[0])
+            raise ValueError(f"ddtree_heap: logprobs[{b}, {d}] must be sorted in descending order (and free of "
+                             f"NaN); entries {j} and {j + 1} are not")
+    return _ops.ddtree_heap.default(logprobs, token_ids, root_tokens, budget)
+
+
 # Fake kernels: shapes and dtypes only, for torch.compile, CUDA graphs and FakeTensor tracing.
 # They check devices as the real kernels do, so a device mix fails while tracing too.
 
@@ -140,3 +206,29 @@ def _verify_tree_fake(tokens, parents, num_nodes, target_tokens):
                        target_tokens=target_tokens)
     batch = parents.shape[0]
     return torch.empty_like(parents), parents.new_empty((batch,)), tokens.new_empty((batch,))
+
+
+@torch.library.register_fake("dartree_ext::select_top_w")
+def _select_top_w_fake(parent_scores, child_logprobs, num_parents, width):
+    _check_same_device("select_top_w", parent_scores=parent_scores, child_logprobs=child_logprobs,
+                       num_parents=num_parents)
+    batch = parent_scores.shape[0]
+    return (num_parents.new_empty((batch, width)), num_parents.new_empty((batch, width)),
+            parent_scores.new_empty((batch, width)))
+
+
+@torch.library.register_fake("dartree_ext::select_top_b")
+def _select_top_b_fake(parents, scores, num_nodes, budget):
+    _check_same_device("select_top_b", parents=parents, scores=scores, num_nodes=num_nodes)
+    batch = parents.shape[0]
+    return (parents.new_empty((batch, budget + 1)), parents.new_empty((batch, budget + 1)),
+            parents.new_empty((batch,)))
+
+
+@torch.library.register_fake("dartree_ext::ddtree_heap")
+def _ddtree_heap_fake(logprobs, token_ids, root_tokens, budget):
+    _check_same_device("ddtree_heap", logprobs=logprobs, token_ids=token_ids, root_tokens=root_tokens)
+    batch, slots = logprobs.shape[0], budget + 1
+    return (token_ids.new_empty((batch, slots)), logprobs.new_empty((batch, slots), dtype=torch.int32),
+            logprobs.new_empty((batch, slots), dtype=torch.int32), logprobs.new_empty((batch, slots)),
+            logprobs.new_empty((batch,), dtype=torch.int32))

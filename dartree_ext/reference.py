@@ -2,6 +2,9 @@
 where PyTorch allows; same signatures and outputs as :mod:`dartree_ext.ops`."""
 from __future__ import annotations
 
+import heapq
+
+import numpy as np
 import torch
 
 
@@ -102,3 +105,123 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Te
         length = length + active.long()
         accept_nodes[rows[active], length[active]] = current[active].to(torch.int32)
     return accept_nodes, length.to(torch.int32), target_tokens[rows, current]
+
+
+def _order_best_first(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Indices along the last dim: valid entries by score descending, ties by lower index (NaN
+    as -inf), then the invalid ones."""
+    clean = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    order = torch.sort(clean, dim=-1, descending=True, stable=True).indices
+    valid_sorted = torch.gather(valid, -1, order)
+    return torch.gather(order, -1, torch.sort(valid_sorted.int(), dim=-1, descending=True, stable=True).indices)
+
+
+def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_parents: torch.Tensor,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, p_max, k = child_logprobs.shape
+    total = p_max * k
+    scores = torch.nan_to_num((parent_scores[:, :, None] + child_logprobs).reshape(batch, total),
+                              nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    parent_of = torch.arange(total, device=scores.device) // k
+    valid = parent_of[None, :] < num_parents[:, None].long()
+    if width > total:  # room for padding entries, which sort last
+        scores = torch.nn.functional.pad(scores, (0, width - total), value=float("-inf"))
+        valid = torch.nn.functional.pad(valid, (0, width - total), value=False)
+    order = _order_best_first(scores, valid)[:, :width]
+    picked_valid = torch.gather(valid, 1, order)
+    minus_one = torch.full_like(order, -1)
+    return (torch.where(picked_valid, order // k, minus_one).to(torch.int32),
+            torch.where(picked_valid, order % k, minus_one).to(torch.int32),
+            torch.where(picked_valid, torch.gather(scores, 1, order), float("-inf")))
+
+
+def _kept_to_layout(parents: torch.Tensor, kept: torch.Tensor, budget: int):
+    batch, n_max = parents.shape
+    index = torch.arange(n_max, device=parents.device)
+    slots = budget + 1
+    keep = torch.sort(torch.where(kept, index, n_max), dim=1).values
+    keep = torch.nn.functional.pad(keep, (0, max(0, slots - n_max)), value=n_max)[:, :slots]
+    present = keep < n_max
+    new_index = kept.long().cumsum(1) - 1
+    safe_keep = torch.where(present, keep, 0)
+    parent_old = torch.gather(parents.long(), 1, safe_keep)
+    has_parent = present & (safe_keep > 0)
+    new_parents = torch.gather(new_index, 1, torch.where(has_parent, parent_old, 0).clamp(min=0))
+    minus_one = torch.full_like(keep, -1)
+    return (torch.where(present, keep, minus_one).to(torch.int32),
+            torch.where(has_parent, new_parents, minus_one).to(torch.int32),
+            kept.sum(1).to(torch.int32))
+
+
+def select_top_b(parents: torch.Tensor, scores: torch.Tensor, num_nodes: torch.Tensor,
+                 budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global top-B by sorting when scores are monotone (Lemma 1); otherwise the heap, one
+    vectorized round per kept node."""
+    batch, n_max = parents.shape
+    index = torch.arange(n_max, device=parents.device)
+    valid = _valid_nodes(parents, num_nodes)
+    par = _effective_parents(parents, num_nodes)
+    clean = torch.nan_to_num(scores, nan=float("-inf"))
+    parent_score = torch.gather(clean, 1, par.clamp(min=0))
+    monotone = bool(((clean <= parent_score) | (par < 0)).all())
+    non_root = valid & (index[None, :] > 0)
+    if monotone:
+        order = _order_best_first(clean, non_root)
+        rank = torch.empty_like(order).scatter_(1, order, index.expand(batch, -1).contiguous())
+        kept = (non_root & (rank < budget)) | (index[None, :] == 0)
+    else:
+        kept = index[None, :].expand(batch, -1) == 0
+        rows = torch.arange(batch, device=parents.device)
+        for _ in range(budget):
+            frontier = non_root & ~kept & torch.gather(kept, 1, par.clamp(min=0))
+            if not bool(frontier.any()):
+                break
+            best = _order_best_first(clean, frontier)[:, 0]
+            take = frontier[rows, best]
+            kept = kept.clone()
+            kept[rows[take], best[take]] = True
+    return _kept_to_layout(parents, kept, budget)
+
+
+def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor,
+                budget: int) -> tuple[torch.Tensor, ...]:
+    """DDTree's best-first heap with Python's heapq, float32 arithmetic as in the kernels."""
+    batch, depth_max, k = logprobs.shape
+    slots = budget + 1
+    tokens = torch.zeros(batch, slots, dtype=torch.int64)
+    parents = torch.full((batch, slots), -1, dtype=torch.int32)
+    depths = torch.full((batch, slots), -1, dtype=torch.int32)
+    scores = torch.full((batch, slots), float("-inf"), dtype=torch.float32)
+    num_nodes = torch.zeros(batch, dtype=torch.int32)
+    lp_all = logprobs.detach().cpu().numpy().astype(np.float32)
+    ids_all = token_ids.detach().cpu().numpy()
+    for b in range(batch):
+        lp, ids = lp_all[b], ids_all[b]
+        out_tokens, out_parents, out_depths = [int(root_tokens[b])], [-1], [0]
+        out_scores = [np.float32(0.0)]
+        heap: list = []
+        seq = 0
+        if budget > 0 and depth_max > 0 and k > 0:
+            heapq.heappush(heap, (-lp[0, 0], seq, 0, 1, 0))
+            seq += 1
+        while len(out_tokens) <= budget and heap:
+            neg_score, _, parent, depth, rank = heapq.heappop(heap)
+            node = len(out_tokens)
+            out_tokens.append(int(ids[depth - 1, rank]))
+            out_parents.append(parent)
+            out_depths.append(depth)
+            out_scores.append(-neg_score)
+            if rank + 1 < k:
+                heapq.heappush(heap, (-(out_scores[parent] + lp[depth - 1, rank + 1]), seq, parent, depth, rank + 1))
+                seq += 1
+            if depth < depth_max:
+                heapq.heappush(heap, (-(-neg_score + lp[depth, 0]), seq, node, depth + 1, 0))
+                seq += 1
+        count = len(out_tokens)
+        tokens[b, :count] = torch.tensor(out_tokens)
+        parents[b, :count] = torch.tensor(out_parents, dtype=torch.int32)
+        depths[b, :count] = torch.tensor(out_depths, dtype=torch.int32)
+        scores[b, :count] = torch.tensor(np.array(out_scores, dtype=np.float32))
+        num_nodes[b] = count
+    device = logprobs.device
+    return tokens.to(device), parents.to(device), depths.to(device), scores.to(device), num_nodes.to(device)

@@ -23,6 +23,7 @@ BUILD_DIR = pathlib.Path(__file__).resolve().parent / ".emu_build"
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {
+    "emu_set_schedule": [_I, ctypes.c_uint64],
     "emu_block_sum": [_P, _I, _I, _I, _P],
     "emu_warp_primitives": [_P, _I, _P, _P, _P, _P],
     "emu_divergent_barrier": [_P],
@@ -30,6 +31,9 @@ _SIGNATURES = {
     "emu_tree_attention_mask": [_P, _P, _P, _I, _I, _I, _I, ctypes.c_uint64, _P],
     "emu_tree_links": [_P, _P, _I, _I, _P, _P],
     "emu_verify_tree": [_P, _P, _P, _P, _I, _I, _P, _P, _P],
+    "emu_select_top_w": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
+    "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
+    "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
 }
 
 
@@ -67,16 +71,28 @@ def _words(n: int) -> int:
     return (n + 63) // 64
 
 
-class EmulatedOps:
-    """``dartree_ext.ops`` signatures, computed by the emulated CUDA kernels on CPU tensors."""
+FORWARD, REVERSE, SHUFFLED = 0, 1, 2
 
-    def __init__(self) -> None:
+
+class EmulatedOps:
+    """``dartree_ext.ops`` signatures, computed by the emulated CUDA kernels on CPU tensors.
+
+    Threads run in a shuffled order (seeded, re-drawn between barriers) unless ``set_schedule``
+    says otherwise: any order is a legal CUDA schedule, and a shuffled one exposes races that a
+    fixed order can hide.
+    """
+
+    def __init__(self, schedule: int = SHUFFLED, seed: int = 0) -> None:
         self.lib = ctypes.CDLL(str(build_library()))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
         self.lib.emu_last_error.restype = ctypes.c_char_p
+        self.set_schedule(schedule, seed)
+
+    def set_schedule(self, schedule: int, seed: int = 0) -> None:
+        self.call("emu_set_schedule", schedule, seed)
 
     def call(self, name: str, *args) -> None:
         if getattr(self.lib, name)(*args) != 0:
@@ -115,3 +131,32 @@ class EmulatedOps:
         self.call("emu_verify_tree", _ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(target_tokens), batch, n_max,
                   _ptr(accept_nodes), _ptr(accept_len), _ptr(bonus))
         return accept_nodes, accept_len, bonus
+
+    def select_top_w(self, parent_scores, child_logprobs, num_parents, width, *, validate=False):
+        batch, p_max, k = child_logprobs.shape
+        parent_idx = torch.empty(batch, width, dtype=torch.int32)
+        child_k = torch.empty(batch, width, dtype=torch.int32)
+        scores = torch.empty(batch, width, dtype=torch.float32)
+        self.call("emu_select_top_w", _ptr(parent_scores), _ptr(child_logprobs), _ptr(num_parents), batch, p_max, k,
+                  width, _ptr(parent_idx), _ptr(child_k), _ptr(scores))
+        return parent_idx, child_k, scores
+
+    def select_top_b(self, parents, scores, num_nodes, budget, *, validate=False):
+        batch, n_max = parents.shape
+        keep = torch.empty(batch, budget + 1, dtype=torch.int32)
+        new_parents = torch.empty(batch, budget + 1, dtype=torch.int32)
+        num_kept = torch.empty(batch, dtype=torch.int32)
+        self.call("emu_select_top_b", _ptr(parents), _ptr(scores), _ptr(num_nodes), batch, n_max, budget, _ptr(keep),
+                  _ptr(new_parents), _ptr(num_kept))
+        return keep, new_parents, num_kept
+
+    def ddtree_heap(self, logprobs, token_ids, root_tokens, budget, *, validate=False):
+        batch, depth_max, k = logprobs.shape
+        tokens = torch.empty(batch, budget + 1, dtype=torch.int64)
+        parents = torch.empty(batch, budget + 1, dtype=torch.int32)
+        depths = torch.empty(batch, budget + 1, dtype=torch.int32)
+        scores = torch.empty(batch, budget + 1, dtype=torch.float32)
+        num_nodes = torch.empty(batch, dtype=torch.int32)
+        self.call("emu_ddtree_heap", _ptr(logprobs), _ptr(token_ids), _ptr(root_tokens), batch, depth_max, k, budget,
+                  _ptr(tokens), _ptr(parents), _ptr(depths), _ptr(scores), _ptr(num_nodes))
+        return tokens, parents, depths, scores, num_nodes

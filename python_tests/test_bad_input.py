@@ -146,3 +146,67 @@ def test_verify_target_wrong_shape(device):
 def test_sampling_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dartree_ext.target_tokens_from_logits(torch.zeros(2, 5), **kwargs)
+
+
+# selection ops ---------------------------------------------------------------------------------
+
+def test_select_top_w_negative_width(device):
+    with pytest.raises(ValueError, match="width must be >= 0"):
+        ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
+                         torch.tensor([2], dtype=torch.int32, device=device), -1)
+
+
+def test_select_top_w_num_parents_out_of_range(device):
+    with pytest.raises(ValueError, match=r"num_parents\[0\] = 3 is outside \[0, 2\]"):
+        ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
+                         torch.tensor([3], dtype=torch.int32, device=device), 1, validate=True)
+
+
+def test_select_top_w_shape_mismatch(device):
+    with pytest.raises(RuntimeError, match=r"child_logprobs must have shape \[B, P, K\]"):
+        ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 3, 3, device=device),
+                         torch.tensor([2], dtype=torch.int32, device=device), 1)
+
+
+def test_select_top_b_negative_budget(device):
+    with pytest.raises(ValueError, match="budget must be in"):
+        ops.select_top_b(HAND_PARENTS.to(device), torch.zeros(1, 8, device=device), HAND_NUM_NODES.to(device), -1)
+
+
+def test_select_top_b_non_topological(device):
+    parents = HAND_PARENTS.clone()
+    parents[0, 5] = 6
+    with pytest.raises(ValueError, match=r"parents\[0, 5\] = 6"):
+        ops.select_top_b(parents.to(device), torch.zeros(1, 8, device=device), HAND_NUM_NODES.to(device), 3,
+                         validate=True)
+
+
+def test_select_top_b_scores_wrong_dtype(device):
+    with pytest.raises(RuntimeError, match="scores must be Float"):
+        ops.select_top_b(HAND_PARENTS.to(device), torch.zeros(1, 8, dtype=torch.float64, device=device),
+                         HAND_NUM_NODES.to(device), 3)
+
+
+def test_ddtree_heap_unsorted_logprobs(device):
+    logprobs = torch.tensor([[[-1.0, -0.5, -2.0]]], device=device)
+    with pytest.raises(ValueError, match=r"logprobs\[0, 0\] must be sorted in descending order"):
+        ops.ddtree_heap(logprobs, torch.zeros(1, 1, 3, dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int64, device=device), 4, validate=True)
+
+
+def test_ddtree_heap_nan_logprobs(device):
+    logprobs = torch.tensor([[[-1.0, float("nan")]]], device=device)
+    with pytest.raises(ValueError, match="free of NaN"):
+        ops.ddtree_heap(logprobs, torch.zeros(1, 1, 2, dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int64, device=device), 4, validate=True)
+
+
+@pytest.mark.parametrize("budget", [-1, ops.MAX_HEAP_BUDGET + 1])
+def test_ddtree_heap_budget_out_of_range(device, budget):
+    with pytest.raises(ValueError, match=rf"budget must be in \[0, {ops.MAX_HEAP_BUDGET}\]"):
+        ops.ddtree_heap(torch.zeros(1, 2, 3, device=device), torch.zeros(1, 2, 3, dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int64, device=device), budget)
+
+
+def test_max_heap_budget_matches_build():
+    assert dartree_ext.build_info()["max_heap_budget"] == ops.MAX_HEAP_BUDGET

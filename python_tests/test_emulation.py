@@ -8,27 +8,39 @@ import pytest
 import torch
 
 from conftest import emulated_ops
+from emulated import FORWARD, REVERSE, SHUFFLED
 
 
 def _ptr(t):
     return ctypes.c_void_p(t.data_ptr())
 
 
+@pytest.fixture
+def emu():
+    ops = emulated_ops()
+    yield ops
+    ops.set_schedule(SHUFFLED, 0)
+
+
+@pytest.mark.parametrize("schedule", [FORWARD, REVERSE, SHUFFLED])
 @pytest.mark.parametrize("threads", [32, 128, 256])
-def test_block_reduction_needs_its_barriers(threads):
-    emu = emulated_ops()
+def test_block_reduction_needs_its_barriers(emu, threads, schedule):
+    emu.set_schedule(schedule, seed=threads)
     values = torch.arange(1, threads + 1, dtype=torch.int32)
     out = torch.zeros(1, dtype=torch.int32)
     emu.call("emu_block_sum", _ptr(values), threads, threads, 1, _ptr(out))
     assert int(out) == threads * (threads + 1) // 2
     out.zero_()
     emu.call("emu_block_sum", _ptr(values), threads, threads, 0, _ptr(out))
+    if schedule == REVERSE:
+        # reverse order is a legal schedule under which this race happens to be harmless: the
+        # reason tests use shuffled schedules and this self-test asserts the forward one
+        return
     assert int(out) != threads * (threads + 1) // 2  # the missing __syncthreads shows
 
 
 @pytest.mark.parametrize("threads", [32, 96, 80])
-def test_warp_primitives_and_atomics(threads):
-    emu = emulated_ops()
+def test_warp_primitives_and_atomics(emu, threads):
     values = torch.randint(-50, 50, (threads,), dtype=torch.int32, generator=torch.Generator().manual_seed(threads))
     warps = (threads + 31) // 32
     warp_sums = torch.zeros(warps, dtype=torch.int32)
@@ -46,8 +58,7 @@ def test_warp_primitives_and_atomics(threads):
     assert int(minimum) == int(values.min())
 
 
-def test_divergent_barrier_is_reported_not_hung():
-    emu = emulated_ops()
+def test_divergent_barrier_is_reported_not_hung(emu):
     out = torch.zeros(32, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="deadlock"):
         emu.call("emu_divergent_barrier", _ptr(out))
@@ -58,8 +69,7 @@ def test_divergent_barrier_is_reported_not_hung():
     assert int(total) == 64
 
 
-def test_oversized_block_is_rejected():
-    emu = emulated_ops()
+def test_oversized_block_is_rejected(emu):
     values = torch.ones(2048, dtype=torch.int32)
     out = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="1..1024 threads"):

@@ -17,12 +17,21 @@ def _sample_args(name: str, device: str):
         return (parents, num_nodes)
     if name == "tree_attention_mask":
         return (parents, num_nodes, torch.rand(3, 9, device=device) < 0.5, torch.bfloat16)
-    tokens = torch.randint(0, 3, parents.shape, device=device)
-    return (tokens, parents, num_nodes, torch.randint(0, 3, parents.shape, device=device))
+    if name == "verify_tree":
+        tokens = torch.randint(0, 3, parents.shape, device=device)
+        return (tokens, parents, num_nodes, torch.randint(0, 3, parents.shape, device=device))
+    if name == "select_top_w":
+        return (torch.randn(3, 12, device=device), torch.randn(3, 12, 64, device=device),
+                torch.tensor([12, 3, 0], dtype=torch.int32, device=device), 12)
+    if name == "select_top_b":
+        return (parents, torch.randn(parents.shape, device=device), num_nodes, 16)
+    logprobs = torch.sort(torch.randn(3, 4, 8, device=device), dim=-1, descending=True).values
+    return (logprobs, torch.randint(0, 100, (3, 4, 8), device=device), torch.arange(3, device=device), 20)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree"])
+@pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree",
+                                  "select_top_w", "select_top_b", "ddtree_heap"])
 def test_opcheck(name, device):
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

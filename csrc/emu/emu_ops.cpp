@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "../kernels/select.cuh"
 #include "../kernels/tree_mask.cuh"
 #include "../kernels/verify.cuh"
 
@@ -81,6 +82,14 @@ extern "C" {
 
 const char* emu_last_error() { return last_error.c_str(); }
 
+// 0: forward thread order, 1: reverse, 2: shuffled at every sweep (seeded).
+int emu_set_schedule(int mode, uint64_t seed) {
+  return guarded([&] {
+    if (mode < 0 || mode > 2) throw std::invalid_argument("schedule must be 0, 1 or 2");
+    dartree_emu::set_schedule(static_cast<dartree_emu::Schedule>(mode), seed);
+  });
+}
+
 int emu_block_sum(const int32_t* values, int count, int threads, int with_barriers, int32_t* out) {
   return guarded([&] {
     if (with_barriers) {
@@ -133,6 +142,31 @@ int emu_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t
   return guarded([&] {
     dartree::kernels::launch_verify_tree(tokens, parents, num_nodes, target_tokens, batch, n_max, accept_nodes,
                                          accept_len, bonus, nullptr);
+  });
+}
+
+int emu_select_top_w(const float* parent_scores, const float* child_logprobs, const int32_t* num_parents, int batch,
+                     int p_max, int k, int width, int32_t* parent_idx, int32_t* child_k, float* scores) {
+  return guarded([&] {
+    dartree::kernels::launch_select_top_w(parent_scores, child_logprobs, num_parents, batch, p_max, k, width,
+                                          parent_idx, child_k, scores, nullptr);
+  });
+}
+
+int emu_select_top_b(const int32_t* parents, const float* scores, const int32_t* num_nodes, int batch, int n_max,
+                     int budget, int32_t* keep, int32_t* new_parents, int32_t* num_kept) {
+  return guarded([&] {
+    dartree::kernels::launch_select_top_b(parents, scores, num_nodes, batch, n_max, budget, keep, new_parents,
+                                          num_kept, nullptr);
+  });
+}
+
+int emu_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64_t* root_tokens, int batch,
+                    int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
+                    float* scores, int32_t* num_nodes) {
+  return guarded([&] {
+    dartree::kernels::launch_ddtree_heap(logprobs, token_ids, root_tokens, batch, depth_max, k, budget, tokens,
+                                         parents, depths, scores, num_nodes, nullptr);
   });
 }
 

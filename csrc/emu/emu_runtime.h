@@ -17,10 +17,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -48,6 +51,11 @@ constexpr size_t kMaxSharedBytes = 228 * 1024;
 
 enum class FiberState { kReady, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
+// The order in which ready threads run between barriers. Any order is a legal CUDA schedule;
+// forward order makes a missing barrier fail reliably in reduction-like code, a shuffled order
+// (re-drawn at every sweep) catches races that forward order happens to hide.
+enum class Schedule { kForward = 0, kReverse = 1, kShuffled = 2 };
+
 struct Fiber {
   ucontext_t context;
   FiberState state = FiberState::kReady;
@@ -68,6 +76,9 @@ struct Runtime {
   std::vector<uint64_t> exchange;  // one slot per thread, for warp collectives
   size_t static_shared_bytes = 0;
   std::string error;
+  Schedule schedule = Schedule::kForward;
+  std::mt19937_64 rng{0};
+  std::vector<unsigned> order;
 };
 
 inline Runtime& runtime() {
@@ -147,9 +158,14 @@ inline void run_block(Runtime& rt) {
     f.context.uc_link = &rt.scheduler;
     makecontext(&f.context, fiber_entry, 0);
   }
+  rt.order.resize(nthreads);
+  std::iota(rt.order.begin(), rt.order.end(), 0u);
+  if (rt.schedule == Schedule::kReverse) std::reverse(rt.order.begin(), rt.order.end());
   for (;;) {
     bool ran = false;
-    for (Fiber& f : rt.fibers) {
+    if (rt.schedule == Schedule::kShuffled) std::shuffle(rt.order.begin(), rt.order.end(), rt.rng);
+    for (unsigned t : rt.order) {
+      Fiber& f = rt.fibers[t];
       if (f.state != FiberState::kReady) continue;
       rt.current = &f;
       swapcontext(&rt.scheduler, &f.context);
@@ -191,6 +207,13 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
   rt.current = nullptr;
   rt.body = nullptr;
   if (!rt.error.empty()) throw std::runtime_error("emulated kernel failed: " + rt.error);
+}
+
+inline void set_schedule(Schedule schedule, uint64_t seed) {
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  rt.schedule = schedule;
+  rt.rng.seed(seed);
 }
 
 // Per-block static shared array, keyed by its declaration site.
