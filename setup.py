@@ -76,7 +76,8 @@ def _extension():
     nvcc_flags = ["-O3", "-std=c++20", "--Werror", "all-warnings", "-lineinfo"]
     if _flag("DARTREE_PTXAS_VERBOSE"):
         nvcc_flags += ["-Xptxas", "-v"]
-    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    # csrc/cuda/*.cu hold device code only (nvcc, once per arch); csrc/cuda/*_ops.cpp the torch glue
+    sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     return CUDAExtension("dartree_ext._C", sources, define_macros=define_macros,
                          include_dirs=_cuda_library_includes(),
                          extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags})

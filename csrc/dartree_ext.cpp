@@ -2,6 +2,8 @@
 // Implementations register per backend in csrc/cpu/<area>.cpp and csrc/cuda/<area>.cu.
 #include <torch/library.h>
 
+#include "kernels/launchers.h"
+
 #ifdef DARTREE_PYTHON_MODULE
 #include <Python.h>
 #include <torch/extension.h>
@@ -51,8 +53,8 @@ pybind11::dict build_info() {
 #endif
   info["cuda_version"] = DARTREE_CUDA_VERSION;
   info["cuda_archs"] = DARTREE_CUDA_ARCHS;
-  info["max_tree_nodes"] = 8192;
-  info["max_heap_budget"] = 2048;
+  info["max_tree_nodes"] = dartree::kernels::kMaxNodes;
+  info["max_heap_budget"] = dartree::kernels::kMaxHeapBudget;
   return info;
 }
 

@@ -8,10 +8,11 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/launchers.h"
+
 namespace dartree {
 
-// Must equal dartree::kernels::kMaxNodes (checked by a static_assert in the CUDA files).
-constexpr int64_t kMaxTreeNodes = 8192;
+constexpr int64_t kMaxTreeNodes = kernels::kMaxNodes;
 
 inline void check_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t dim) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
@@ -81,8 +82,7 @@ inline void check_mask_dtype(const char* op, at::ScalarType dtype) {
               ": dtype must be float32, float16, bfloat16 or float64, got ", dtype);
 }
 
-// Must equal dartree::kernels::kMaxHeapBudget: DDTree's heap lives in shared memory.
-constexpr int64_t kMaxHeapBudget = 2048;
+constexpr int64_t kMaxHeapBudget = kernels::kMaxHeapBudget;
 
 inline void check_select_top_w_inputs(const at::Tensor& parent_scores, const at::Tensor& child_logprobs,
                                       const at::Tensor& num_parents, int64_t width) {

@@ -152,10 +152,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_he
       TORCH_CHECK_VALUE(lp[row * k + j - 1] >= lp[row * k + j], "ddtree_heap: logprobs[", row / depth_max, ", ",
                         row % depth_max, "] must be sorted in descending order (and free of NaN); entries ", j - 1,
                         " and ", j, " are ", lp[row * k + j - 1], " and ", lp[row * k + j]);
-  at::Tensor tokens = at::zeros({batch, slots}, token_ids.options());
-  at::Tensor parents = at::full({batch, slots}, -1, logprobs.options().dtype(at::kInt));
-  at::Tensor depths = at::full({batch, slots}, -1, logprobs.options().dtype(at::kInt));
-  at::Tensor scores = at::full({batch, slots}, kNegInf, logprobs.options());
+  // outputs are filled in the loop (padding included): no separate initialization pass
+  at::Tensor tokens = at::empty({batch, slots}, token_ids.options());
+  at::Tensor parents = at::empty({batch, slots}, logprobs.options().dtype(at::kInt));
+  at::Tensor depths = at::empty({batch, slots}, logprobs.options().dtype(at::kInt));
+  at::Tensor scores = at::empty({batch, slots}, logprobs.options());
   at::Tensor num_nodes = at::empty({batch}, logprobs.options().dtype(at::kInt));
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   const int64_t* roots = root_tokens.data_ptr<int64_t>();
@@ -169,10 +170,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_he
     return a.score < b.score || (a.score == b.score && a.seq > b.seq);
   };
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<HeapEntry> storage;
+    std::vector<HeapEntry> heap;  // std::push_heap / pop_heap: the best entry at the front
+    heap.reserve(budget + 2);     // a pop pushes at most two, so the heap never exceeds budget + 1
+    auto push = [&](const HeapEntry& e) {
+      heap.push_back(e);
+      std::push_heap(heap.begin(), heap.end(), later);
+    };
     for (int64_t b = begin; b < end; ++b) {
-      storage.clear();
-      std::priority_queue<HeapEntry, std::vector<HeapEntry>, decltype(later)> heap(later, std::move(storage));
+      heap.clear();
       const float* row_lp = lp + b * depth_max * k;
       const int64_t* row_ids = ids + b * depth_max * k;
       const int64_t base = b * slots;
@@ -181,10 +186,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_he
       out_depths[base] = 0;
       out_scores[base] = 0.0f;
       int32_t seq = 0, count = 1;
-      if (budget > 0 && depth_max > 0 && k > 0) heap.push({row_lp[0], seq++, 0, 1, 0});
+      if (budget > 0 && depth_max > 0 && k > 0) push({row_lp[0], seq++, 0, 1, 0});
       while (count <= budget && !heap.empty()) {
-        const HeapEntry e = heap.top();
-        heap.pop();
+        std::pop_heap(heap.begin(), heap.end(), later);
+        const HeapEntry e = heap.back();
+        heap.pop_back();
         const int32_t node = count++;
         out_tokens[base + node] = row_ids[(e.depth - 1) * k + e.rank];
         out_parents[base + node] = e.parent;
@@ -192,11 +198,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_he
         out_scores[base + node] = e.score;
         if (count > budget) break;
         if (e.rank + 1 < k)
-          heap.push({out_scores[base + e.parent] + row_lp[(e.depth - 1) * k + e.rank + 1], seq++, e.parent, e.depth,
-                     e.rank + 1});
-        if (e.depth < depth_max) heap.push({e.score + row_lp[e.depth * k], seq++, node, e.depth + 1, 0});
+          push({out_scores[base + e.parent] + row_lp[(e.depth - 1) * k + e.rank + 1], seq++, e.parent, e.depth,
+                e.rank + 1});
+        if (e.depth < depth_max) push({e.score + row_lp[e.depth * k], seq++, node, e.depth + 1, 0});
       }
       out_count[b] = count;
+      std::fill(out_tokens + base + count, out_tokens + base + slots, 0);
+      std::fill(out_parents + base + count, out_parents + base + slots, -1);
+      std::fill(out_depths + base + count, out_depths + base + slots, -1);
+      std::fill(out_scores + base + count, out_scores + base + slots, kNegInf);
     }
   });
   return {tokens, parents, depths, scores, num_nodes};

@@ -67,15 +67,6 @@ __global__ void divergent_barrier_kernel(int32_t* out) {
   out[threadIdx.x] = 1;
 }
 
-template <typename Bits>
-int mask_with(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask, int batch, int n_max,
-              int past, uint64_t hidden, void* out) {
-  return guarded([&] {
-    dartree::kernels::launch_tree_attention_mask<Bits>(parents, num_nodes, past_key_mask, batch, n_max, past,
-                                                       static_cast<Bits>(hidden), static_cast<Bits*>(out), nullptr);
-  });
-}
-
 }  // namespace
 
 extern "C" {
@@ -121,12 +112,12 @@ int emu_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int
 
 int emu_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
                             int batch, int n_max, int past, int element_bytes, uint64_t hidden, void* out) {
-  switch (element_bytes) {
-    case 2: return mask_with<uint16_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
-    case 4: return mask_with<uint32_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
-    case 8: return mask_with<uint64_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden, out);
-    default: last_error = "unsupported element size"; return 1;
-  }
+  return guarded([&] {
+    if (element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
+      throw std::invalid_argument("unsupported element size");
+    dartree::kernels::launch_tree_attention_mask(parents, num_nodes, past_key_mask, batch, n_max, past, element_bytes,
+                                                 hidden, out, nullptr);
+  });
 }
 
 int emu_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max, int32_t* next_token,

@@ -33,7 +33,8 @@ struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
-using cudaStream_t = void*;
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;  // as the CUDA runtime defines it
 
 #define __global__
 #define __device__

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "launchers.h"
+
 #if defined(__CUDACC__)
 
 #define DARTREE_DEVICE __device__ __forceinline__
@@ -30,10 +32,6 @@ namespace dartree {
 namespace kernels {
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;
-
-// The largest tree (nodes per request, root included) any op accepts. Kernels keep a request's
-// parents in shared memory: 8192 x 4 bytes = 32 KiB.
-constexpr int kMaxNodes = 8192;
 
 DARTREE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 DARTREE_HOST_DEVICE int min_int(int a, int b) { return a < b ? a : b; }

@@ -11,7 +11,6 @@ namespace dartree {
 namespace kernels {
 
 constexpr int kSelectThreads = 256;
-constexpr int kMaxHeapBudget = 2048;
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kPosInf = __builtin_huge_valf();
 constexpr int kNoCandidate = 0x7fffffff;
@@ -126,7 +125,7 @@ __global__ void select_top_w_kernel(const float* parent_scores, const float* chi
   }
 }
 
-inline void launch_select_top_w(const float* parent_scores, const float* child_logprobs, const int32_t* num_parents,
+void launch_select_top_w(const float* parent_scores, const float* child_logprobs, const int32_t* num_parents,
                                 int batch, int p_max, int k, int width, int32_t* parent_idx, int32_t* child_k,
                                 float* scores, cudaStream_t stream) {
   if (batch == 0 || width == 0) return;
@@ -211,7 +210,7 @@ __global__ void select_top_b_kernel(const int32_t* parents, const float* scores,
 
 inline size_t select_top_b_shared_bytes(int n_max) { return (sizeof(float) + 1) * static_cast<size_t>(n_max); }
 
-inline void launch_select_top_b(const int32_t* parents, const float* scores, const int32_t* num_nodes, int batch,
+void launch_select_top_b(const int32_t* parents, const float* scores, const int32_t* num_nodes, int batch,
                                 int n_max, int budget, int32_t* keep, int32_t* new_parents, int32_t* num_kept,
                                 cudaStream_t stream) {
   if (batch == 0) return;
@@ -311,7 +310,7 @@ __global__ void ddtree_heap_kernel(const float* logprobs, const int64_t* token_i
   num_nodes[b] = count;
 }
 
-inline void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64_t* root_tokens, int batch,
+void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64_t* root_tokens, int batch,
                                int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
                                float* scores, int32_t* num_nodes, cudaStream_t stream) {
   if (batch == 0) return;

@@ -58,7 +58,7 @@ __global__ void tree_ancestor_bits_kernel(const int32_t* parents, const int32_t*
   depths[row_index] = depth;
 }
 
-inline void launch_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
+void launch_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
                                       uint64_t* bits, int32_t* depths, cudaStream_t stream) {
   if (batch == 0 || n_max == 0) return;
   const dim3 grid(static_cast<unsigned>((n_max + kAncestorThreads - 1) / kAncestorThreads), static_cast<unsigned>(batch));
@@ -118,15 +118,33 @@ __global__ void tree_attention_mask_kernel(const int32_t* parents, const int32_t
 }
 
 template <typename Bits>
-void launch_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
-                                int batch, int n_max, int past, Bits hidden, Bits* out, cudaStream_t stream) {
-  if (batch == 0 || n_max == 0) return;
+void launch_tree_attention_mask_as(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
+                                   int batch, int n_max, int past, Bits hidden, Bits* out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((n_max + kMaskRowsPerBlock - 1) / kMaskRowsPerBlock), static_cast<unsigned>(batch));
   const size_t shared = sizeof(uint64_t) * kMaskRowsPerBlock * static_cast<size_t>(words_for(n_max)) +
                         sizeof(int32_t) * static_cast<size_t>(n_max);
   auto kernel = tree_attention_mask_kernel<Bits>;
   DARTREE_LAUNCH(kernel, grid, dim3(kMaskThreads), shared, stream, parents, num_nodes, past_key_mask, n_max, past,
                  hidden, out);
+}
+
+void launch_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes, const uint8_t* past_key_mask,
+                                int batch, int n_max, int past, int element_bytes, uint64_t hidden, void* out,
+                                cudaStream_t stream) {
+  if (batch == 0 || n_max == 0) return;
+  switch (element_bytes) {
+    case 2:
+      launch_tree_attention_mask_as<uint16_t>(parents, num_nodes, past_key_mask, batch, n_max, past,
+                                              static_cast<uint16_t>(hidden), static_cast<uint16_t*>(out), stream);
+      break;
+    case 4:
+      launch_tree_attention_mask_as<uint32_t>(parents, num_nodes, past_key_mask, batch, n_max, past,
+                                              static_cast<uint32_t>(hidden), static_cast<uint32_t*>(out), stream);
+      break;
+    default:
+      launch_tree_attention_mask_as<uint64_t>(parents, num_nodes, past_key_mask, batch, n_max, past, hidden,
+                                              static_cast<uint64_t*>(out), stream);
+  }
 }
 
 // grid (B). Building sibling lists is a short sequential pass in shared memory (children are
@@ -161,7 +179,7 @@ __global__ void tree_links_kernel(const int32_t* parents, const int32_t* num_nod
   }
 }
 
-inline void launch_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
+void launch_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
                               int32_t* next_token, int32_t* next_sibling, cudaStream_t stream) {
   if (batch == 0 || n_max == 0) return;
   const size_t shared = 3 * sizeof(int16_t) * static_cast<size_t>(n_max);

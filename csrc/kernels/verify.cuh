@@ -52,7 +52,7 @@ __global__ void verify_tree_kernel(const int64_t* tokens, const int32_t* parents
   }
 }
 
-inline void launch_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t* num_nodes,
+void launch_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t* num_nodes,
                                const int64_t* target_tokens, int batch, int n_max, int32_t* accept_nodes,
                                int32_t* accept_len, int64_t* bonus, cudaStream_t stream) {
   if (batch == 0 || n_max == 0) return;
