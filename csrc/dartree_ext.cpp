@@ -38,6 +38,16 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "ddtree_heap(Tensor logprobs, Tensor token_ids, Tensor root_tokens, int budget) -> "
       "(Tensor tokens, Tensor parents, Tensor depths, Tensor scores, Tensor num_nodes)");
+  // expand area
+  m.def(
+      "expand_depth(Tensor z, Tensor cand_ids, Tensor cand_base, Tensor parent_states, Tensor parent_scores, "
+      "Tensor num_parents, Tensor w_s, Tensor fc2_weight, Tensor? fc2_bias, Tensor gru_table, Tensor w_hh, "
+      "Tensor? b_hh, int width, float depth_bonus) -> "
+      "(Tensor parent_idx, Tensor child_k, Tensor scores, Tensor tokens, Tensor states)");
+  m.def(
+      "build_supertree(Tensor z, Tensor cand_ids, Tensor cand_base, Tensor root_state, Tensor w_s, "
+      "Tensor fc2_weight, Tensor? fc2_bias, Tensor gru_table, Tensor w_hh, Tensor? b_hh, int[] widths, "
+      "float depth_bonus) -> (Tensor tokens, Tensor parents, Tensor depths, Tensor scores)");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

@@ -232,3 +232,69 @@ def _ddtree_heap_fake(logprobs, token_ids, root_tokens, budget):
     return (token_ids.new_empty((batch, slots)), logprobs.new_empty((batch, slots), dtype=torch.int32),
             logprobs.new_empty((batch, slots), dtype=torch.int32), logprobs.new_empty((batch, slots)),
             logprobs.new_empty((batch,), dtype=torch.int32))
+
+
+# expand area ---------------------------------------------------------------------------------
+
+def _head_tensors(head) -> tuple:
+    return (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table, head.w_hh, head.b_hh)
+
+
+def expand_depth(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
+                 parent_states: torch.Tensor, parent_scores: torch.Tensor, num_parents: torch.Tensor, width: int,
+                 depth_bonus: float = -0.2) -> tuple[torch.Tensor, ...]:
+    """One depth of DARTree's expansion with a GRU correction head
+    (:class:`dartree_ext.tree.GRUCorrectionHead`).
+
+    For each of the ``num_parents[b]`` parents (``parent_states float32[B, P, G]``,
+    ``parent_scores float32[B, P]``): corrected logits of the K candidates
+    ``cand_base[b, k] + fc2_weight[cand_ids[b, k]] . SiLU(z[b] + w_s s) (+ fc2_bias)`` (only the
+    K rows of fc2 are read), log-softmax over the K, child score = parent score + log q +
+    ``depth_bonus``; the ``width`` best children over all parents (ties to the lower flat index
+    ``p * K + k``; NaN as -inf), and their GRU states. ``z [B, E]`` and ``cand_base [B, K]`` are
+    in the head's dtype; ``cand_ids int64[B, K]``.
+
+    Returns ``parent_idx int32[B, W]``, ``child_k int32[B, W]``, ``scores float32[B, W]``,
+    ``tokens int64[B, W]`` and ``states float32[B, W, G]``; missing children (fewer than W) are
+    padded with -1, -1, -inf, 0 and zero states.
+    """
+    return _ops.expand_depth.default(z, cand_ids, cand_base, parent_states, parent_scores, num_parents,
+                                     *_head_tensors(head), width, depth_bonus)
+
+
+def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
+                    root_state: torch.Tensor, width: int | list[int], depth_bonus: float = -0.2
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All D depths of DARTree's expansion in one call (on CUDA: no host synchronization).
+
+    ``z [B, D, E]``, ``cand_ids int64[B, D, K]``, ``cand_base [B, D, K]``, ``root_state [B, G]``
+    (head dtype); ``width`` per depth (an int for all). Depth 1 expands the root; depth d + 1
+    expands the kept children of depth d.
+
+    Returns depth-major ``tokens int64[B, M]``, ``parents int32[B, M]`` (index into the same M
+    nodes, -1 for the root), ``depths int32[B, M]`` (1..D) and ``scores float32[B, M]``, with
+    M = the sum of the widths. Where a depth has fewer children than its width, the rest is
+    padding: depth -1, parent -1, score -inf, token 0.
+    """
+    widths = [int(width)] * z.shape[1] if isinstance(width, int) else [int(w) for w in width]
+    return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head), widths,
+                                        depth_bonus)
+
+
+@torch.library.register_fake("dartree_ext::expand_depth")
+def _expand_depth_fake(z, cand_ids, cand_base, parent_states, parent_scores, num_parents, w_s, fc2_weight, fc2_bias,
+                       gru_table, w_hh, b_hh, width, depth_bonus):
+    _check_same_device("expand_depth", z=z, cand_ids=cand_ids, parent_states=parent_states, w_s=w_s)
+    batch, g = z.shape[0], w_s.shape[1]
+    return (num_parents.new_empty((batch, width)), num_parents.new_empty((batch, width)),
+            parent_scores.new_empty((batch, width)), cand_ids.new_empty((batch, width)),
+            parent_states.new_empty((batch, width, g)))
+
+
+@torch.library.register_fake("dartree_ext::build_supertree")
+def _build_supertree_fake(z, cand_ids, cand_base, root_state, w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh,
+                          widths, depth_bonus):
+    _check_same_device("build_supertree", z=z, cand_ids=cand_ids, root_state=root_state, w_s=w_s)
+    batch, total = z.shape[0], sum(widths)
+    return (cand_ids.new_empty((batch, total)), cand_ids.new_empty((batch, total), dtype=torch.int32),
+            cand_ids.new_empty((batch, total), dtype=torch.int32), z.new_empty((batch, total), dtype=torch.float32))

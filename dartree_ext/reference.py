@@ -225,3 +225,69 @@ def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: to
         num_nodes[b] = count
     device = logprobs.device
     return tokens.to(device), parents.to(device), depths.to(device), scores.to(device), num_nodes.to(device)
+
+
+# expand area -----------------------------------------------------------------------------------
+
+def corrected_logprobs(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
+                       states: torch.Tensor) -> torch.Tensor:
+    """log q(k | parent) over the K candidates, float32[B, P, K], for parent states [B, P, G],
+    z [B, E], candidates [B, K]."""
+    hidden = torch.nn.functional.silu(z.float()[:, None, :] + states @ head.w_s.float().T)  # [B, P, E]
+    rows = head.fc2_weight[cand_ids].float()  # [B, K, E]: only the K candidate rows
+    logits = cand_base.float()[:, None, :] + hidden @ rows.transpose(1, 2)
+    if head.fc2_bias is not None:
+        logits = logits + head.fc2_bias[cand_ids].float()[:, None, :]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def gru_update(head, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """torch.nn.GRUCell on precomputed input gates gi = gru_table[tokens]; float32."""
+    gi = head.gru_table[tokens].float()
+    gh = states @ head.w_hh.float().T
+    if head.b_hh is not None:
+        gh = gh + head.b_hh.float()
+    g = states.shape[-1]
+    r = torch.sigmoid(gi[..., :g] + gh[..., :g])
+    u = torch.sigmoid(gi[..., g:2 * g] + gh[..., g:2 * g])
+    n = torch.tanh(gi[..., 2 * g:] + r * gh[..., 2 * g:])
+    return (1 - u) * n + u * states
+
+
+def expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
+                 depth_bonus=-0.2):
+    batch, p_max, _ = parent_states.shape
+    k = cand_ids.shape[1]
+    logq = corrected_logprobs(head, z, cand_ids, cand_base, parent_states)
+    child_logprobs = logq + depth_bonus
+    parent_idx, child_k, scores = select_top_w(parent_scores, child_logprobs, num_parents, width)
+    valid = parent_idx >= 0
+    tokens = torch.where(valid, torch.gather(cand_ids, 1, child_k.long().clamp(min=0)), 0)
+    parent_state = torch.gather(parent_states, 1, parent_idx.long().clamp(min=0)[..., None].expand(-1, -1,
+                                                                                                    parent_states.shape[2]))
+    states = torch.where(valid[..., None], gru_update(head, tokens, parent_state), 0.0)
+    return parent_idx, child_k, scores, tokens, states
+
+
+def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2):
+    """Algorithm 1's supertree, one depth at a time with :func:`expand_depth`."""
+    batch, depth, _ = z.shape
+    widths = [int(width)] * depth if isinstance(width, int) else list(width)
+    states = root_state.float()[:, None, :]
+    scores_prev = torch.zeros(batch, 1)
+    num_parents = torch.ones(batch, dtype=torch.int32, device=z.device)
+    out_tokens, out_parents, out_depths, out_scores = [], [], [], []
+    offset_prev = -1
+    for d in range(depth):
+        parent_idx, _, scores, tokens, states = expand_depth(head, z[:, d], cand_ids[:, d], cand_base[:, d], states,
+                                                             scores_prev.to(z.device), num_parents, widths[d],
+                                                             depth_bonus)
+        valid = parent_idx >= 0
+        out_tokens.append(tokens)
+        out_parents.append(torch.where(valid, parent_idx + offset_prev, -1).to(torch.int32))
+        out_depths.append(torch.where(valid, d + 1, -1).to(torch.int32))
+        out_scores.append(scores)
+        num_parents = valid.sum(1).to(torch.int32)
+        scores_prev = scores
+        offset_prev = sum(widths[:d])
+    return (torch.cat(out_tokens, 1), torch.cat(out_parents, 1), torch.cat(out_depths, 1), torch.cat(out_scores, 1))

@@ -34,6 +34,8 @@ _SIGNATURES = {
     "emu_select_top_w": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
+    "emu_expand_depth": [_P, _P, _P, _P],
+    "emu_build_supertree": [_P, _P],
 }
 
 
@@ -89,6 +91,11 @@ class EmulatedOps:
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
         self.lib.emu_last_error.restype = ctypes.c_char_p
+        self.lib.emu_struct_sizes.restype = ctypes.c_size_t
+        self.lib.emu_struct_sizes.argtypes = [_I]
+        for which, mirror in enumerate((ExpandHead, ExpandInputs, ExpandOutputs, SupertreeArgs)):
+            if self.lib.emu_struct_sizes(which) != ctypes.sizeof(mirror):
+                raise RuntimeError(f"ctypes mirror {mirror.__name__} does not match csrc/kernels/launchers.h")
         self.set_schedule(schedule, seed)
 
     def set_schedule(self, schedule: int, seed: int = 0) -> None:
@@ -160,3 +167,87 @@ class EmulatedOps:
         self.call("emu_ddtree_heap", _ptr(logprobs), _ptr(token_ids), _ptr(root_tokens), batch, depth_max, k, budget,
                   _ptr(tokens), _ptr(parents), _ptr(depths), _ptr(scores), _ptr(num_nodes))
         return tokens, parents, depths, scores, num_nodes
+
+    # expand area: the launchers take structs; these mirrors must match csrc/kernels/launchers.h
+    def expand_depth(self, head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
+                     depth_bonus=-0.2):
+        w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
+                                                            head.w_hh, head.b_hh)
+        batch, k = cand_ids.shape
+        p_max, g = parent_states.shape[1], w_s.shape[1]
+        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        inputs = ExpandInputs(z.data_ptr(), z.shape[1], cand_ids.data_ptr(), cand_base.data_ptr(), k,
+                              parent_states.data_ptr(), parent_scores.data_ptr(), p_max, num_parents.data_ptr(),
+                              batch, p_max, k, width, depth_bonus)
+        parent_idx = torch.empty(batch, width, dtype=torch.int32)
+        child_k = torch.empty(batch, width, dtype=torch.int32)
+        scores = torch.empty(batch, width, dtype=torch.float32)
+        tokens = torch.empty(batch, width, dtype=torch.int64)
+        states = torch.empty(batch, width, g, dtype=torch.float32)
+        num_children = torch.empty(batch, dtype=torch.int32)
+        cand_scores = torch.empty(batch, p_max, k, dtype=torch.float32)
+        outputs = ExpandOutputs(parent_idx.data_ptr(), child_k.data_ptr(), scores.data_ptr(), tokens.data_ptr(), None,
+                                width, 0, 0, states.data_ptr(), num_children.data_ptr())
+        self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), _ptr(cand_scores),
+                  ctypes.addressof(outputs))
+        return parent_idx, child_k, scores, tokens, states
+
+    def build_supertree(self, head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2):
+        w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
+                                                            head.w_hh, head.b_hh)
+        batch, depth, k = cand_ids.shape
+        widths = [int(width)] * depth if isinstance(width, int) else [int(w) for w in width]
+        g = w_s.shape[1]
+        total, max_width = sum(widths), max(widths)
+        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        width_array = (ctypes.c_int64 * depth)(*widths)
+        states = [torch.empty(batch, max_width, g), torch.empty(batch, max_width, g)]
+        states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
+        counts = [torch.ones(batch, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)]
+        root_scores = torch.zeros(batch)
+        cand_scores = torch.empty(batch, max_width, k)
+        tokens = torch.empty(batch, total, dtype=torch.int64)
+        parents = torch.empty(batch, total, dtype=torch.int32)
+        depths = torch.empty(batch, total, dtype=torch.int32)
+        scores = torch.empty(batch, total)
+        args = SupertreeArgs(z.data_ptr(), cand_ids.data_ptr(), cand_base.data_ptr(), width_array, batch, depth, k,
+                             depth_bonus, cand_scores.data_ptr(), (ctypes.c_void_p * 2)(*[s.data_ptr() for s in states]),
+                             root_scores.data_ptr(), (ctypes.c_void_p * 2)(*[c.data_ptr() for c in counts]),
+                             tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), scores.data_ptr())
+        self.call("emu_build_supertree", ctypes.addressof(head), ctypes.addressof(args))
+        return tokens, parents, depths, scores
+
+
+_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class ExpandHead(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("w_s", _P), ("fc2_weight", _P), ("fc2_bias", _P), ("gru_table", _P),
+                ("w_hh", _P), ("b_hh", _P), ("e", _I), ("g", _I)]
+
+
+class ExpandInputs(ctypes.Structure):
+    _fields_ = [("z", _P), ("z_stride", ctypes.c_int64), ("cand_ids", _P), ("cand_base", _P),
+                ("cand_stride", ctypes.c_int64), ("parent_states", _P), ("parent_scores", _P),
+                ("parent_score_stride", ctypes.c_int64), ("num_parents", _P), ("batch", _I), ("p_max", _I), ("k", _I),
+                ("width", _I), ("depth_bonus", ctypes.c_float)]
+
+
+class ExpandOutputs(ctypes.Structure):
+    _fields_ = [("parent_idx", _P), ("child_k", _P), ("scores", _P), ("tokens", _P), ("depths", _P),
+                ("stride", ctypes.c_int64), ("parent_offset", _I), ("depth_value", _I), ("child_states", _P),
+                ("num_children", _P)]
+
+
+class SupertreeArgs(ctypes.Structure):
+    _fields_ = [("z", _P), ("cand_ids", _P), ("cand_base", _P), ("widths", ctypes.POINTER(ctypes.c_int64)),
+                ("batch", _I), ("depth", _I), ("k", _I), ("depth_bonus", ctypes.c_float), ("cand_scores", _P),
+                ("states", _P * 2), ("root_scores", _P), ("counts", _P * 2), ("tokens", _P), ("parents", _P),
+                ("depths", _P), ("scores", _P)]
+
+
+def _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> ExpandHead:
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+    return ExpandHead(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
+                      gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1])

@@ -210,3 +210,61 @@ def test_ddtree_heap_budget_out_of_range(device, budget):
 
 def test_max_heap_budget_matches_build():
     assert dartree_ext.build_info()["max_heap_budget"] == ops.MAX_HEAP_BUDGET
+
+
+# expand ops ------------------------------------------------------------------------------------
+
+def _expand_args(device, dtype=torch.float32):
+    from dartree_ext.tree import GRUCorrectionHead
+    head = GRUCorrectionHead.random(30, 12, 8, 6, device=device, dtype=dtype)
+    z = torch.randn(2, 3, 8, device=device, dtype=dtype)
+    ids = torch.randint(0, 30, (2, 3, 5), device=device)
+    base = torch.randn(2, 3, 5, device=device, dtype=dtype)
+    root = torch.randn(2, 6, device=device, dtype=dtype)
+    return head, z, ids, base, root
+
+
+def test_build_supertree_wrong_width_count(device):
+    head, z, ids, base, root = _expand_args(device)
+    with pytest.raises(ValueError, match=r"widths must give one width per depth \(3\), got 2"):
+        ops.build_supertree(head, z, ids, base, root, [4, 4])
+
+
+def test_build_supertree_zero_width(device):
+    head, z, ids, base, root = _expand_args(device)
+    with pytest.raises(ValueError, match=r"every width must be in \[1, 65535\]"):
+        ops.build_supertree(head, z, ids, base, root, 0)
+
+
+def test_build_supertree_dtype_mismatch(device):
+    head, z, ids, base, root = _expand_args(device)
+    with pytest.raises(RuntimeError, match="z must be Float, got BFloat16"):
+        ops.build_supertree(head, z.bfloat16(), ids, base, root, 2)
+
+
+def test_build_supertree_double_weights(device):
+    head, z, ids, base, root = _expand_args(device, torch.float64)
+    with pytest.raises(RuntimeError, match="weights must be float32, bfloat16 or float16"):
+        ops.build_supertree(head, z, ids, base, root, 2)
+
+
+def test_build_supertree_fc2_vocab_mismatch(device):
+    head, z, ids, base, root = _expand_args(device)
+    head.fc2_bias = head.fc2_bias[:-1].contiguous()
+    with pytest.raises(RuntimeError, match=r"fc2_bias must have shape \[30\]"):
+        ops.build_supertree(head, z, ids, base, root, 2)
+
+
+def test_expand_depth_num_parents_out_of_range():
+    head, z, ids, base, _ = _expand_args("cpu")
+    with pytest.raises(ValueError, match=r"num_parents\[1\] = 3 is outside \[0, 2\]"):
+        ops.expand_depth(head, z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
+                         torch.zeros(2, 2, 6), torch.zeros(2, 2), torch.tensor([1, 3], dtype=torch.int32), 2)
+
+
+def test_expand_depth_states_wrong_size(device):
+    head, z, ids, base, _ = _expand_args(device)
+    with pytest.raises(RuntimeError, match=r"parent_states must be float32 \[B, P, G\]"):
+        ops.expand_depth(head, z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
+                         torch.zeros(2, 2, 7, device=device), torch.zeros(2, 2, device=device),
+                         torch.ones(2, dtype=torch.int32, device=device), 2)

@@ -25,13 +25,26 @@ def _sample_args(name: str, device: str):
                 torch.tensor([12, 3, 0], dtype=torch.int32, device=device), 12)
     if name == "select_top_b":
         return (parents, torch.randn(parents.shape, device=device), num_nodes, 16)
+    if name in ("expand_depth", "build_supertree"):
+        from dartree_ext.tree import GRUCorrectionHead
+        head = GRUCorrectionHead.random(30, 12, 8, 6, device=device)
+        weights = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table, head.w_hh, head.b_hh)
+        ids = torch.stack([torch.randperm(30)[:5] for _ in range(3 * 4)]).view(3, 4, 5).to(device)
+        base = torch.randn(3, 4, 5, device=device)
+        z = torch.randn(3, 4, 8, device=device)
+        if name == "build_supertree":
+            return (z, ids, base, torch.randn(3, 6, device=device), *weights, [3, 4, 2, 3], -0.2)
+        return (z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
+                torch.randn(3, 2, 6, device=device), torch.randn(3, 2, device=device),
+                torch.tensor([2, 1, 0], dtype=torch.int32, device=device), *weights, 4, -0.2)
     logprobs = torch.sort(torch.randn(3, 4, 8, device=device), dim=-1, descending=True).values
     return (logprobs, torch.randint(0, 100, (3, 4, 8), device=device), torch.arange(3, device=device), 20)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree",
-                                  "select_top_w", "select_top_b", "ddtree_heap"])
+                                  "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
+                                  "build_supertree"])
 def test_opcheck(name, device):
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "../kernels/expand.cuh"
 #include "../kernels/select.cuh"
 #include "../kernels/tree_mask.cuh"
 #include "../kernels/verify.cuh"
@@ -159,6 +160,24 @@ int emu_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64
     dartree::kernels::launch_ddtree_heap(logprobs, token_ids, root_tokens, batch, depth_max, k, budget, tokens,
                                          parents, depths, scores, num_nodes, nullptr);
   });
+}
+
+int emu_expand_depth(const dartree::kernels::ExpandHead* head, const dartree::kernels::ExpandInputs* in,
+                     float* cand_scores, const dartree::kernels::ExpandOutputs* out) {
+  return guarded([&] { dartree::kernels::launch_expand_depth(*head, *in, cand_scores, *out, nullptr); });
+}
+
+int emu_build_supertree(const dartree::kernels::ExpandHead* head, const dartree::kernels::SupertreeArgs* args) {
+  return guarded([&] { dartree::kernels::launch_build_supertree(*head, *args, nullptr); });
+}
+
+size_t emu_struct_sizes(int which) {  // lets the ctypes mirrors check their layout
+  switch (which) {
+    case 0: return sizeof(dartree::kernels::ExpandHead);
+    case 1: return sizeof(dartree::kernels::ExpandInputs);
+    case 2: return sizeof(dartree::kernels::ExpandOutputs);
+    default: return sizeof(dartree::kernels::SupertreeArgs);
+  }
 }
 
 }  // extern "C"

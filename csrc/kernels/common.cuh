@@ -3,7 +3,9 @@
 // same source runs under nvcc and, in the tests, on the CPU.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "launchers.h"
 

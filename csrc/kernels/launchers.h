@@ -47,5 +47,74 @@ void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const i
                         int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
                         float* scores, int32_t* num_nodes, cudaStream_t stream);
 
+// expand area: DARTree's depth-wise expansion with a GRU correction head (kernels/expand.cuh).
+enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct ExpandHead {  // weights, all of `dtype`, contiguous
+  ElemType dtype;
+  const void* w_s;         // [E, G]
+  const void* fc2_weight;  // [V, E]
+  const void* fc2_bias;    // [V] or null
+  const void* gru_table;   // [V, 3G] = embedding x W_ih^T + b_ih
+  const void* w_hh;        // [3G, G]
+  const void* b_hh;        // [3G] or null
+  int e, g;
+};
+
+struct ExpandInputs {  // one depth
+  const void* z;            // [B, E] rows `z_stride` apart, of the head's dtype
+  int64_t z_stride;
+  const int64_t* cand_ids;  // [B, K] rows `cand_stride` apart
+  const void* cand_base;    // [B, K] rows `cand_stride` apart, of the head's dtype
+  int64_t cand_stride;
+  const float* parent_states;  // [B, P, G]
+  const float* parent_scores;  // [B, P] rows `parent_score_stride` apart
+  int64_t parent_score_stride;
+  const int32_t* num_parents;  // [B]
+  int batch, p_max, k, width;
+  float depth_bonus;
+};
+
+struct ExpandOutputs {  // rows `stride` apart; the depth's W children start at each row's pointer
+  int32_t* parent_idx;  // parent index + parent_offset; -1 for padding
+  int32_t* child_k;     // candidate index, or null
+  float* scores;
+  int64_t* tokens;
+  int32_t* depths;      // depth_value for children, -1 for padding; or null
+  int64_t stride;
+  int parent_offset;
+  int depth_value;
+  float* child_states;    // [B, W, G]
+  int32_t* num_children;  // [B]: min(W, valid parents x K)
+};
+
+// `cand_scores` is a float workspace of B x P x K.
+void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* cand_scores, const ExpandOutputs& out,
+                         cudaStream_t stream);
+
+struct SupertreeArgs {
+  const void* z;            // [B, D, E], head dtype
+  const int64_t* cand_ids;  // [B, D, K]
+  const void* cand_base;    // [B, D, K], head dtype
+  const int64_t* widths;    // host array of D widths; M = their sum, W = their max
+  int batch, depth, k;
+  float depth_bonus;
+  // workspaces, initialized by the caller: states[0] starts with the root states as a contiguous
+  // float32 [B, G] (each depth's states are stored densely as [B, width, G]), root_scores = 0,
+  // counts[0] = 1
+  float* cand_scores;  // [B, W, K]
+  float* states[2];    // [B, W, G] each
+  const float* root_scores;  // [B]
+  int32_t* counts[2];  // [B] each
+  // outputs [B, M], depth-major
+  int64_t* tokens;
+  int32_t* parents;  // -1 for the root; padding has depth -1
+  int32_t* depths;
+  float* scores;
+};
+
+// Every depth in turn on `stream`; no host synchronization, so it can be captured in a graph.
+void launch_build_supertree(const ExpandHead& head, const SupertreeArgs& args, cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace dartree

@@ -5,87 +5,12 @@
 // index. NaN scores are read as -inf, so every backend orders the same way.
 #pragma once
 
-#include "common.cuh"
+#include "block_ops.cuh"
 
 namespace dartree {
 namespace kernels {
 
 constexpr int kSelectThreads = 256;
-constexpr float kNegInf = -__builtin_huge_valf();
-constexpr float kPosInf = __builtin_huge_valf();
-constexpr int kNoCandidate = 0x7fffffff;
-
-DARTREE_HOST_DEVICE float sanitize_score(float s) { return s != s ? kNegInf : s; }
-
-DARTREE_HOST_DEVICE bool better(float score_a, int index_a, float score_b, int index_b) {
-  return score_a > score_b || (score_a == score_b && index_a < index_b);
-}
-
-struct Candidate {
-  float score;
-  int index;  // kNoCandidate when empty
-};
-
-DARTREE_DEVICE Candidate better_of(Candidate a, Candidate b) {
-  if (b.index == kNoCandidate) return a;
-  if (a.index == kNoCandidate) return b;
-  return better(a.score, a.index, b.score, b.index) ? a : b;
-}
-
-// Best candidate over the block. Needs (blockDim.x / 32 + 1) slots of shared scratch. Every
-// thread of the block must call it; every thread gets the result.
-DARTREE_DEVICE Candidate block_best(Candidate mine, Candidate* s_scratch) {
-  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
-  const int warps = (blockDim.x + warpSize - 1) / warpSize;
-  for (int offset = warpSize / 2; offset > 0; offset /= 2) {
-    Candidate other;
-    other.score = __shfl_xor_sync(kFullWarpMask, mine.score, offset);
-    other.index = __shfl_xor_sync(kFullWarpMask, mine.index, offset);
-    mine = better_of(mine, other);
-  }
-  if (lane == 0) s_scratch[warp] = mine;
-  __syncthreads();
-  if (warp == 0) {
-    Candidate c = lane < warps ? s_scratch[lane] : Candidate{kNegInf, kNoCandidate};
-    for (int offset = warpSize / 2; offset > 0; offset /= 2) {
-      Candidate other;
-      other.score = __shfl_xor_sync(kFullWarpMask, c.score, offset);
-      other.index = __shfl_xor_sync(kFullWarpMask, c.index, offset);
-      c = better_of(c, other);
-    }
-    if (lane == 0) s_scratch[warps] = c;
-  }
-  __syncthreads();
-  return s_scratch[warps];
-}
-
-// Exclusive prefix sum of one int per thread over the block; also returns the total. Needs
-// (blockDim.x / 32 + 1) ints of shared scratch. Every thread of the block must call it.
-DARTREE_DEVICE int block_exclusive_scan(int value, int* s_scratch, int* total) {
-  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
-  const int warps = (blockDim.x + warpSize - 1) / warpSize;
-  int inclusive = value;
-  for (int offset = 1; offset < warpSize; offset *= 2) {
-    const int up = __shfl_up_sync(kFullWarpMask, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
-  if (lane == warpSize - 1) s_scratch[warp] = inclusive;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int t = s_scratch[w];
-      s_scratch[w] = running;
-      running += t;
-    }
-    s_scratch[warps] = running;
-  }
-  __syncthreads();
-  *total = s_scratch[warps];
-  const int result = s_scratch[warp] + inclusive - value;
-  __syncthreads();  // the scratch may be reused right after
-  return result;
-}
 
 // ---- select_top_w ------------------------------------------------------------------------------
 // grid (B). Round t finds the best candidate strictly worse than round t-1's pick, so nothing has

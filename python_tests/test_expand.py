@@ -1,0 +1,125 @@
+"""expand_depth and build_supertree against the per-depth PyTorch reference on every backend and
+dtype; build_dartree / seq_heap: with the supertree wide enough to hold every node, pruning it
+equals the exact sequential heap."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dartree_ext import reference
+from dartree_ext.tree import GRUCorrectionHead, build_dartree, candidates, seq_heap, supertree_as_tree, prune
+
+VOCAB, HIDDEN, E, G = 40, 24, 16, 8
+# accumulation is float32 on every backend, from the same (exactly converted) inputs: only the
+# summation order differs, so one tolerance serves every weight dtype
+ATOL = 2e-5
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_inputs(batch, depth, k, dtype, seed, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, dtype=dtype, seed=seed, bias=bias)
+    z = (torch.randn(batch, depth, E, generator=gen)).to(dtype)
+    # distinct candidate ids per position, as top-K gives
+    cand_ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(batch * depth)]).view(batch, depth, k)
+    cand_base = (torch.randn(batch, depth, k, generator=gen) * 2).to(dtype)
+    root_state = torch.randn(batch, G, generator=gen).to(dtype)
+    return head, z, cand_ids, cand_base, root_state
+
+
+def head_on(head, device):
+    return GRUCorrectionHead(**{f.name: None if getattr(head, f.name) is None else getattr(head, f.name).to(device)
+                                for f in head.__dataclass_fields__.values()})
+
+
+def assert_expansion_close(actual, expected):
+    for a, e in zip(actual, expected):
+        a = a.cpu()
+        assert a.dtype == e.dtype and a.shape == e.shape
+        if a.is_floating_point():
+            torch.testing.assert_close(a, e, atol=ATOL, rtol=1e-5)
+        else:
+            assert torch.equal(a, e), f"\n{a}\nvs\n{e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p_max, k, width", [(1, 5, 3), (3, 5, 4), (3, 4, 20), (2, 1, 2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_expand_depth(backend, dtype, p_max, k, width, bias):
+    batch = 3
+    head, z, cand_ids, cand_base, _ = make_inputs(batch, 1, k, dtype, seed=p_max * 10 + k + width, bias=bias)
+    gen = torch.Generator().manual_seed(1)
+    parent_states = torch.randn(batch, p_max, G, generator=gen)
+    parent_scores = -torch.rand(batch, p_max, generator=gen)
+    num_parents = torch.tensor([p_max, max(0, p_max - 1), 1], dtype=torch.int32)
+    args = (z[:, 0].contiguous(), cand_ids[:, 0].contiguous(), cand_base[:, 0].contiguous(), parent_states,
+            parent_scores, num_parents)
+    expected = reference.expand_depth(head, *args, width, -0.2)
+    actual = backend.ops.expand_depth(head_on(head, backend.device), *backend.put(*args), width, -0.2)
+    assert_expansion_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("depth, k, widths", [(1, 6, [4]), (4, 5, [3, 6, 2, 5]), (3, 2, [4, 4, 4])])
+def test_build_supertree(backend, dtype, depth, k, widths):
+    batch = 2
+    head, z, cand_ids, cand_base, root_state = make_inputs(batch, depth, k, dtype, seed=depth + k)
+    expected = reference.build_supertree(head, z, cand_ids, cand_base, root_state, widths, -0.2)
+    actual = backend.ops.build_supertree(head_on(head, backend.device), *backend.put(z, cand_ids, cand_base,
+                                                                                   root_state), widths, -0.2)
+    assert_expansion_close(actual, expected)
+    tokens, parents, depths, scores = (t.cpu() for t in actual)
+    # topological and depth-consistent; scores never increase along a path (log q <= 0, bonus < 0)
+    for b in range(batch):
+        for i in range(tokens.shape[1]):
+            if depths[b, i] < 0:
+                continue
+            p = int(parents[b, i])
+            assert p < i
+            assert int(depths[b, i]) == (1 if p < 0 else int(depths[b, p]) + 1)
+            assert p < 0 or scores[b, i] <= scores[b, p]
+
+
+def test_full_supertree_pruned_equals_seq_heap():
+    # widths K, K^2, K^3 hold every node: the global top-B is then exactly the sequential heap
+    batch, depth, k, budget = 2, 3, 3, 10
+    head, z, cand_ids, cand_base, root_state = make_inputs(batch, depth, k, torch.float32, seed=3)
+    roots = torch.tensor([5, 6])
+    supertree = reference.build_supertree(head, z, cand_ids, cand_base, root_state, [k, k * k, k ** 3], -0.2)
+    tree = prune(supertree_as_tree(*supertree, roots), budget)
+    exact = seq_heap(head, z, cand_ids, cand_base, roots, root_state, budget, -0.2)
+    for b in range(batch):
+        def paths(t):
+            out = {}
+            for i in range(int(t.num_nodes[b])):
+                path, j = [], i
+                while j >= 0:
+                    path.append(int(t.tokens[b, j]))
+                    j = int(t.parents[b, j])
+                out[tuple(reversed(path))] = float(t.scores[b, i])
+            return out
+        ours, theirs = paths(tree), paths(exact)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_build_dartree_layout(fixed):
+    batch, depth, budget = 2, 4, 8
+    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, depth, HIDDEN, generator=gen)
+    logits = torch.randn(batch, depth, VOCAB, generator=gen)
+    tree = build_dartree(head, hidden, logits, torch.tensor([1, 2]), torch.zeros(batch, G), k=6, width=3,
+                         budget=budget, fixed=fixed)
+    assert tree.tokens.shape[1] == (1 + depth * (budget // depth) if fixed else budget + 1)
+    assert tree.num_nodes.tolist() == [budget + 1] * batch
+    assert tree.tokens[:, 0].tolist() == [1, 2]
+    for b in range(batch):
+        for i in range(1, int(tree.num_nodes[b])):
+            p = int(tree.parents[b, i])
+            assert 0 <= p < i and int(tree.depths[b, i]) == int(tree.depths[b, p]) + 1
+            # every token is one of the candidates at its depth
+            ids, _ = candidates(logits[b:b + 1], 6)
+            assert int(tree.tokens[b, i]) in ids[0, int(tree.depths[b, i]) - 1].tolist()
