@@ -1,6 +1,8 @@
 // CPU kernels for DARTree's depth-wise expansion with a GRU correction head: expand_depth (one
 // depth) and build_supertree (all depths in one call). Same math, order and padding as
-// csrc/kernels/expand.cuh; accumulation in float32 whatever the weights' dtype.
+// csrc/kernels/expand.cuh; accumulation in float32 whatever the weights' dtype. Unlike the GPU,
+// where one block per parent / child does everything, the CPU batches the dense algebra of a
+// depth into three matmuls (BLAS) and fuses the rest into one pass per request.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,14 +18,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <typename T>
-float dot(const T* a, const float* x, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += static_cast<float>(a[i]) * x[i];
-  return acc;
-}
-
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 struct Scored {
@@ -32,97 +26,133 @@ struct Scored {
   bool operator<(const Scored& o) const { return score > o.score || (score == o.score && index < o.index); }
 };
 
-template <typename T>
-struct Head {
-  const T *w_s, *fc2_weight, *fc2_bias, *gru_table, *w_hh, *b_hh;
-  int64_t e, g;
+// The head's small matrices as float32 (no copy when they already are), transposed as views: BLAS
+// takes the transposed operand as is. fc2 and gru_table stay as they are: only the K candidate
+// rows (and the chosen tokens' rows) are ever read.
+struct CpuHead {
+  at::Tensor w_s_t;   // [G, E]
+  at::Tensor w_hh_t;  // [G, 3G]
+  at::Tensor b_hh;    // [3G] or undefined
+  const ExpandWeights& weights;
+
+  explicit CpuHead(const ExpandWeights& w)
+      : w_s_t(w.w_s.to(at::kFloat).t()),
+        w_hh_t(w.w_hh.to(at::kFloat).t()),
+        b_hh(w.b_hh.has_value() ? w.b_hh->to(at::kFloat) : at::Tensor()),
+        weights(w) {}
 };
 
-struct DepthOut {  // one request's row of the depth's outputs
+struct DepthOut {  // the depth's W children of request b sit at `stride * b` from each pointer
   int32_t* parent_idx;
   int32_t* child_k;  // or null
   float* scores;
   int64_t* tokens;
-  int32_t* depths;   // or null
-  float* child_states;  // [W, G]
+  int32_t* depths;  // or null
+  int64_t stride;
   int parent_offset, depth_value;
 };
 
-// One depth of one request. `candidates` and the float buffers are scratch reused across calls.
-template <typename T>
-int64_t expand_request(const Head<T>& head, const T* z, const int64_t* ids, const T* base, const float* parent_states,
-                       const float* parent_scores, int64_t num_parents, int64_t k, int64_t width, float depth_bonus,
-                       std::vector<Scored>& candidates, std::vector<float>& scratch, const DepthOut& out) {
-  const int64_t e = head.e, g = head.g;
-  scratch.resize(e + k + 3 * g);
-  float* hidden = scratch.data();
-  float* logits = hidden + e;
-  float* gh = logits + k;
-  candidates.resize(num_parents * k);
-  for (int64_t p = 0; p < num_parents; ++p) {
-    const float* state = parent_states + p * g;
-    for (int64_t j = 0; j < e; ++j) {
-      const float a = static_cast<float>(z[j]) + dot(head.w_s + j * g, state, g);
-      hidden[j] = a * sigmoid(a);
+// One depth for the whole batch. The dense algebra (state -> hidden, hidden -> candidate logits,
+// state -> GRU hidden gates, once per parent that got a child) runs as three matmuls; top-W and
+// the gate math run in parallel passes. Returns the children's states [B, W, G] and writes each
+// request's child count.
+at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tensor& cand_ids, const at::Tensor& cand_base,
+                        const at::Tensor& states, const float* parent_scores, int64_t parent_score_stride,
+                        const int32_t* num_parents, int64_t width, float depth_bonus, const DepthOut& out,
+                        int32_t* num_children) {
+  const int64_t batch = states.size(0), p_max = states.size(1), g = states.size(2), k = cand_ids.size(1);
+  const ExpandWeights& w = head.weights;
+  const at::Tensor ids_c = cand_ids.contiguous();
+  at::Tensor hidden = at::silu(at::matmul(states, head.w_s_t) + z.to(at::kFloat).unsqueeze(1));  // [B, P, E]
+  const at::Tensor flat_ids = ids_c.view({-1});
+  at::Tensor rows = w.fc2_weight.index_select(0, flat_ids).to(at::kFloat).view({batch, k, -1});  // [B, K, E]
+  at::Tensor logits = at::matmul(hidden, rows.transpose(1, 2)) + cand_base.to(at::kFloat).unsqueeze(1);
+  if (w.fc2_bias.has_value()) logits += w.fc2_bias->index_select(0, flat_ids).to(at::kFloat).view({batch, 1, k});
+  const at::Tensor logq = at::log_softmax(logits, -1).contiguous();  // [B, P, K]
+  at::Tensor child_states = at::empty({batch, width, g}, states.options());
+  const float* lq = logq.data_ptr<float>();
+  const float* st = states.data_ptr<float>();
+  const int64_t* ids = ids_c.data_ptr<int64_t>();
+  float* cs = child_states.data_ptr<float>();
+  // selection first, so that the GRU's hidden gates are computed only for parents that got a child
+  std::vector<int32_t> chosen_parent(batch * width, -1);  // flat b * P + p, or -1 for padding
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Scored> candidates;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t parents_here = num_parents[b];
+      candidates.resize(parents_here * k);
+      for (int64_t p = 0; p < parents_here; ++p) {
+        const float offset = parent_scores[b * parent_score_stride + p] + depth_bonus;
+        for (int64_t c = 0; c < k; ++c) {
+          const float s = lq[(b * p_max + p) * k + c] + offset;
+          candidates[p * k + c] = {std::isnan(s) ? kNegInf : s, static_cast<int32_t>(p * k + c)};
+        }
+      }
+      const int64_t take = std::min<int64_t>(width, parents_here * k);
+      std::partial_sort(candidates.begin(), candidates.begin() + take, candidates.end());
+      num_children[b] = static_cast<int32_t>(take);
+      const int64_t row = b * out.stride;
+      for (int64_t i = 0; i < width; ++i) {
+        if (i >= take) {
+          out.parent_idx[row + i] = -1;
+          if (out.child_k) out.child_k[row + i] = -1;
+          out.scores[row + i] = kNegInf;
+          out.tokens[row + i] = 0;
+          if (out.depths) out.depths[row + i] = -1;
+          continue;
+        }
+        const int64_t p = candidates[i].index / k, c = candidates[i].index % k;
+        chosen_parent[b * width + i] = static_cast<int32_t>(b * p_max + p);
+        out.parent_idx[row + i] = static_cast<int32_t>(p + out.parent_offset);
+        if (out.child_k) out.child_k[row + i] = static_cast<int32_t>(c);
+        out.scores[row + i] = candidates[i].score;
+        out.tokens[row + i] = ids[b * k + c];
+        if (out.depths) out.depths[row + i] = out.depth_value;
+      }
     }
-    float max_logit = kNegInf;
-    for (int64_t c = 0; c < k; ++c) {
-      const int64_t id = ids[c];
-      logits[c] = static_cast<float>(base[c]) + dot(head.fc2_weight + id * e, hidden, e) +
-                  (head.fc2_bias != nullptr ? static_cast<float>(head.fc2_bias[id]) : 0.0f);
-      max_logit = std::max(max_logit, logits[c]);
+  });
+  std::vector<int64_t> distinct;  // parents with at least one child, and each child's row among them
+  std::vector<int64_t> gate_row(batch * width, -1);
+  std::vector<int64_t> row_of(batch * p_max, -1);
+  for (int64_t i = 0; i < batch * width; ++i) {
+    const int32_t parent = chosen_parent[i];
+    if (parent < 0) continue;
+    if (row_of[parent] < 0) {
+      row_of[parent] = static_cast<int64_t>(distinct.size());
+      distinct.push_back(parent);
     }
-    float sum = 0.0f;
-    for (int64_t c = 0; c < k; ++c) sum += std::exp(logits[c] - max_logit);
-    const float offset = parent_scores[p] + depth_bonus - (max_logit + std::log(sum));
-    for (int64_t c = 0; c < k; ++c) {
-      const float s = logits[c] + offset;
-      candidates[p * k + c] = {std::isnan(s) ? kNegInf : s, static_cast<int32_t>(p * k + c)};
-    }
+    gate_row[i] = row_of[parent];
   }
-  const int64_t take = std::min<int64_t>(width, num_parents * k);
-  std::partial_sort(candidates.begin(), candidates.begin() + take, candidates.end());
-  for (int64_t w = 0; w < width; ++w) {
-    float* state_out = out.child_states + w * g;
-    if (w >= take) {
-      out.parent_idx[w] = -1;
-      if (out.child_k) out.child_k[w] = -1;
-      out.scores[w] = kNegInf;
-      out.tokens[w] = 0;
-      if (out.depths) out.depths[w] = -1;
-      std::fill(state_out, state_out + g, 0.0f);
-      continue;
-    }
-    const int64_t p = candidates[w].index / k, c = candidates[w].index % k, token = ids[c];
-    out.parent_idx[w] = static_cast<int32_t>(p + out.parent_offset);
-    if (out.child_k) out.child_k[w] = static_cast<int32_t>(c);
-    out.scores[w] = candidates[w].score;
-    out.tokens[w] = token;
-    if (out.depths) out.depths[w] = out.depth_value;
-    const float* h = parent_states + p * g;
-    for (int64_t r = 0; r < 3 * g; ++r)
-      gh[r] = dot(head.w_hh + r * g, h, g) + (head.b_hh != nullptr ? static_cast<float>(head.b_hh[r]) : 0.0f);
-    const T* gi = head.gru_table + token * 3 * g;
-    for (int64_t j = 0; j < g; ++j) {
-      const float rg = sigmoid(static_cast<float>(gi[j]) + gh[j]);
-      const float u = sigmoid(static_cast<float>(gi[g + j]) + gh[g + j]);
-      const float n = std::tanh(static_cast<float>(gi[2 * g + j]) + rg * gh[2 * g + j]);
-      state_out[j] = (1.0f - u) * n + u * h[j];
-    }
+  at::Tensor gh;
+  if (!distinct.empty()) {
+    const at::Tensor rows_idx = at::from_blob(distinct.data(), {static_cast<int64_t>(distinct.size())}, at::kLong);
+    gh = at::matmul(states.view({batch * p_max, g}).index_select(0, rows_idx), head.w_hh_t);  // [n, 3G]
+    if (head.b_hh.defined()) gh += head.b_hh;
+    gh = gh.contiguous();
   }
-  return take;
-}
-
-template <typename T>
-Head<T> head_of(const ExpandWeights& w) {
-  return Head<T>{w.w_s.data_ptr<T>(),
-                 w.fc2_weight.data_ptr<T>(),
-                 w.fc2_bias.has_value() ? w.fc2_bias->data_ptr<T>() : nullptr,
-                 w.gru_table.data_ptr<T>(),
-                 w.w_hh.data_ptr<T>(),
-                 w.b_hh.has_value() ? w.b_hh->data_ptr<T>() : nullptr,
-                 w.w_s.size(0),
-                 w.w_s.size(1)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.gru_table.scalar_type(), "expand_batch", [&] {
+    const scalar_t* table = w.gru_table.data_ptr<scalar_t>();
+    at::parallel_for(0, batch * width, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* state_out = cs + i * g;
+        if (gate_row[i] < 0) {
+          std::fill(state_out, state_out + g, 0.0f);
+          continue;
+        }
+        const int64_t b = i / width;
+        const float* h = st + chosen_parent[i] * g;
+        const float* gates = gh.data_ptr<float>() + gate_row[i] * 3 * g;
+        const scalar_t* gi = table + out.tokens[b * out.stride + i % width] * 3 * g;
+        for (int64_t j = 0; j < g; ++j) {
+          const float r = sigmoid(static_cast<float>(gi[j]) + gates[j]);
+          const float u = sigmoid(static_cast<float>(gi[g + j]) + gates[g + j]);
+          const float n = std::tanh(static_cast<float>(gi[2 * g + j]) + r * gates[2 * g + j]);
+          state_out[j] = (1.0f - u) * n + u * h[j];
+        }
+      }
+    });
+  });
+  return child_states;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_depth_cpu(
@@ -132,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
     const std::optional<at::Tensor>& b_hh, int64_t width, double depth_bonus) {
   const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_expand_depth_inputs(weights, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width);
-  const int64_t batch = z.size(0), p_max = parent_states.size(1), k = cand_ids.size(1), g = w_s.size(1);
+  const int64_t batch = z.size(0), p_max = parent_states.size(1);
   const int32_t* counts = num_parents.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK_VALUE(counts[b] >= 0 && counts[b] <= p_max, "expand_depth: num_parents[", b, "] = ", counts[b],
@@ -141,24 +171,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
   at::Tensor child_k = at::empty({batch, width}, num_parents.options());
   at::Tensor scores = at::empty({batch, width}, parent_scores.options());
   at::Tensor tokens = at::empty({batch, width}, cand_ids.options());
-  at::Tensor states = at::empty({batch, width, g}, parent_states.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w_s.scalar_type(), "expand_depth_cpu", [&] {
-    const Head<scalar_t> head = head_of<scalar_t>(weights);
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<Scored> candidates;
-      std::vector<float> scratch;
-      for (int64_t b = begin; b < end; ++b) {
-        const DepthOut out{parent_idx.data_ptr<int32_t>() + b * width, child_k.data_ptr<int32_t>() + b * width,
-                           scores.data_ptr<float>() + b * width,       tokens.data_ptr<int64_t>() + b * width,
-                           nullptr,                                     states.data_ptr<float>() + b * width * g,
-                           0,                                           0};
-        expand_request(head, z.data_ptr<scalar_t>() + b * z.size(1), cand_ids.data_ptr<int64_t>() + b * k,
-                       cand_base.data_ptr<scalar_t>() + b * k, parent_states.data_ptr<float>() + b * p_max * g,
-                       parent_scores.data_ptr<float>() + b * p_max, counts[b], k, width,
-                       static_cast<float>(depth_bonus), candidates, scratch, out);
-      }
-    });
-  });
+  std::vector<int32_t> num_children(batch);
+  const DepthOut out{parent_idx.data_ptr<int32_t>(), child_k.data_ptr<int32_t>(), scores.data_ptr<float>(),
+                     tokens.data_ptr<int64_t>(), nullptr, width, 0, 0};
+  at::Tensor states = expand_batch(CpuHead(weights), z, cand_ids, cand_base, parent_states, parent_scores.data_ptr<float>(),
+                                   p_max, counts, width, static_cast<float>(depth_bonus), out, num_children.data());
   return {parent_idx, child_k, scores, tokens, states};
 }
 
@@ -169,48 +186,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cpu(
     double depth_bonus) {
   const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
-  const int64_t batch = z.size(0), depth = z.size(1), e = z.size(2), k = cand_ids.size(2), g = w_s.size(1);
-  int64_t total = 0, max_width = 1;
-  for (int64_t w : widths) {
-    total += w;
-    max_width = std::max(max_width, w);
-  }
+  const int64_t batch = z.size(0), depth = z.size(1);
+  int64_t total = 0;
+  for (int64_t w : widths) total += w;
   at::Tensor tokens = at::empty({batch, total}, cand_ids.options());
   at::Tensor parents = at::empty({batch, total}, cand_ids.options().dtype(at::kInt));
   at::Tensor depths = at::empty({batch, total}, cand_ids.options().dtype(at::kInt));
   at::Tensor scores = at::empty({batch, total}, cand_ids.options().dtype(at::kFloat));
-  const at::Tensor root = root_state.to(at::kFloat).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w_s.scalar_type(), "build_supertree_cpu", [&] {
-    const Head<scalar_t> head = head_of<scalar_t>(weights);
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<Scored> candidates;
-      std::vector<float> scratch;
-      std::vector<float> states_a(max_width * g), states_b(max_width * g), scores_prev(max_width);
-      for (int64_t b = begin; b < end; ++b) {
-        std::copy(root.data_ptr<float>() + b * g, root.data_ptr<float>() + (b + 1) * g, states_a.begin());
-        scores_prev[0] = 0.0f;
-        int64_t num_parents = 1, offset = 0, parent_offset = -1;
-        const int64_t row = b * total;
-        for (int64_t d = 0; d < depth; ++d) {
-          const int64_t width = widths[d];
-          const DepthOut out{parents.data_ptr<int32_t>() + row + offset, nullptr,
-                             scores.data_ptr<float>() + row + offset,   tokens.data_ptr<int64_t>() + row + offset,
-                             depths.data_ptr<int32_t>() + row + offset, states_b.data(),
-                             static_cast<int>(parent_offset),           static_cast<int>(d + 1)};
-          num_parents = expand_request(head, z.data_ptr<scalar_t>() + (b * depth + d) * e,
-                                       cand_ids.data_ptr<int64_t>() + (b * depth + d) * k,
-                                       cand_base.data_ptr<scalar_t>() + (b * depth + d) * k, states_a.data(),
-                                       scores_prev.data(), num_parents, k, width, static_cast<float>(depth_bonus),
-                                       candidates, scratch, out);
-          std::copy(scores.data_ptr<float>() + row + offset, scores.data_ptr<float>() + row + offset + width,
-                    scores_prev.begin());
-          std::swap(states_a, states_b);
-          parent_offset = offset;
-          offset += width;
-        }
-      }
-    });
-  });
+  const CpuHead head(weights);
+  at::Tensor states = root_state.to(at::kFloat).unsqueeze(1).contiguous();  // [B, 1, G]
+  const std::vector<float> root_scores(batch, 0.0f);
+  std::vector<int32_t> counts[2] = {std::vector<int32_t>(batch, 1), std::vector<int32_t>(batch)};
+  int64_t offset = 0, parent_offset = -1;
+  for (int64_t d = 0; d < depth; ++d) {
+    const DepthOut out{parents.data_ptr<int32_t>() + offset, nullptr, scores.data_ptr<float>() + offset,
+                       tokens.data_ptr<int64_t>() + offset, depths.data_ptr<int32_t>() + offset, total,
+                       static_cast<int>(parent_offset), static_cast<int>(d + 1)};
+    const float* parent_scores = d == 0 ? root_scores.data() : scores.data_ptr<float>() + parent_offset;
+    states = expand_batch(head, z.select(1, d), cand_ids.select(1, d), cand_base.select(1, d), states, parent_scores,
+                          d == 0 ? 1 : total, counts[d % 2].data(), widths[d], static_cast<float>(depth_bonus), out,
+                          counts[1 - d % 2].data());
+    parent_offset = offset;
+    offset += widths[d];
+  }
   return {tokens, parents, depths, scores};
 }
 
