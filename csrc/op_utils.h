@@ -78,7 +78,14 @@ inline uint64_t lowest_value_bits(at::ScalarType dtype) {
   return bits;
 }
 
-inline void check_mask_dtype(const char* op, at::ScalarType dtype) {
+inline void check_attention_mask_inputs(const at::Tensor& parents, const at::Tensor& num_nodes,
+                                        const at::Tensor& past_key_mask, at::ScalarType dtype) {
+  const char* op = "tree_attention_mask";
+  check_tree(op, parents, num_nodes);
+  check_tensor(op, "past_key_mask", past_key_mask, at::kBool, 2);
+  check_same_device(op, "past_key_mask", past_key_mask, parents, "parents");
+  TORCH_CHECK(past_key_mask.size(0) == parents.size(0), op, ": past_key_mask must have batch size ", parents.size(0),
+              " (dim 0), got shape ", past_key_mask.sizes());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble, op,
               ": dtype must be float32, float16, bfloat16 or float64, got ", dtype);
 }

@@ -77,13 +77,7 @@ void fill_attention_mask(const int32_t* parents, const int32_t* counts, const bo
 
 at::Tensor tree_attention_mask_cpu(const at::Tensor& parents, const at::Tensor& num_nodes,
                                    const at::Tensor& past_key_mask, at::ScalarType dtype) {
-  const char* op = "tree_attention_mask";
-  check_tree(op, parents, num_nodes);
-  check_tensor(op, "past_key_mask", past_key_mask, at::kBool, 2);
-  check_same_device(op, "past_key_mask", past_key_mask, parents, "parents");
-  TORCH_CHECK(past_key_mask.size(0) == parents.size(0), op, ": past_key_mask must have batch size ", parents.size(0),
-              " (dim 0), got shape ", past_key_mask.sizes());
-  check_mask_dtype(op, dtype);
+  check_attention_mask_inputs(parents, num_nodes, past_key_mask, dtype);
   const int64_t batch = parents.size(0), n_max = parents.size(1), past = past_key_mask.size(1);
   at::Tensor out = at::empty({batch, 1, n_max, past + n_max}, parents.options().dtype(dtype));
   const uint64_t hidden = lowest_value_bits(dtype);
