@@ -63,14 +63,17 @@ at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tens
   const int64_t batch = states.size(0), p_max = states.size(1), g = states.size(2), k = cand_ids.size(1);
   const ExpandWeights& w = head.weights;
   const at::Tensor ids_c = cand_ids.contiguous();
-  at::Tensor hidden = at::silu(at::matmul(states, head.w_s_t) + z.to(at::kFloat).unsqueeze(1));  // [B, P, E]
+  at::Tensor hidden = at::matmul(states, head.w_s_t);  // [B, P, E]
+  hidden.add_(z.to(at::kFloat).unsqueeze(1));
+  at::silu_(hidden);
   const at::Tensor flat_ids = ids_c.view({-1});
   at::Tensor rows = w.fc2_weight.index_select(0, flat_ids).to(at::kFloat).view({batch, k, -1});  // [B, K, E]
-  at::Tensor logits = at::matmul(hidden, rows.transpose(1, 2)) + cand_base.to(at::kFloat).unsqueeze(1);
-  if (w.fc2_bias.has_value()) logits += w.fc2_bias->index_select(0, flat_ids).to(at::kFloat).view({batch, 1, k});
-  const at::Tensor logq = at::log_softmax(logits, -1).contiguous();  // [B, P, K]
+  at::Tensor base = cand_base.to(at::kFloat);
+  if (w.fc2_bias.has_value()) base = base + w.fc2_bias->index_select(0, flat_ids).to(at::kFloat).view({batch, k});
+  const at::Tensor logits =
+      at::baddbmm(base.unsqueeze(1).expand({batch, p_max, k}), hidden, rows.transpose(1, 2)).contiguous();
   at::Tensor child_states = at::empty({batch, width, g}, states.options());
-  const float* lq = logq.data_ptr<float>();
+  const float* lg = logits.data_ptr<float>();
   const float* st = states.data_ptr<float>();
   const int64_t* ids = ids_c.data_ptr<int64_t>();
   float* cs = child_states.data_ptr<float>();
@@ -82,9 +85,14 @@ at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tens
       const int64_t parents_here = num_parents[b];
       candidates.resize(parents_here * k);
       for (int64_t p = 0; p < parents_here; ++p) {
-        const float offset = parent_scores[b * parent_score_stride + p] + depth_bonus;
+        const float* row = lg + (b * p_max + p) * k;  // log-softmax over the K candidates, fused here
+        float max_logit = kNegInf;
+        for (int64_t c = 0; c < k; ++c) max_logit = std::max(max_logit, row[c]);
+        float sum = 0.0f;
+        for (int64_t c = 0; c < k; ++c) sum += std::exp(row[c] - max_logit);
+        const float offset = parent_scores[b * parent_score_stride + p] + depth_bonus - (max_logit + std::log(sum));
         for (int64_t c = 0; c < k; ++c) {
-          const float s = lq[(b * p_max + p) * k + c] + offset;
+          const float s = row[c] + offset;
           candidates[p * k + c] = {std::isnan(s) ? kNegInf : s, static_cast<int32_t>(p * k + c)};
         }
       }

@@ -35,7 +35,6 @@ namespace kernels {
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;
 
-DARTREE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 DARTREE_HOST_DEVICE int min_int(int a, int b) { return a < b ? a : b; }
 
 // A node's parent as the kernels see it: -1 for the root, for padding nodes and for an entry that
