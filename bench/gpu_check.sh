@@ -22,3 +22,4 @@ echo "== tests"
 python -m pytest python_tests -q -x
 echo "== benchmarks"
 python bench/ops.py --batch 1 8 32
+python bench/tree.py --device cuda --seq-heap-batch 1

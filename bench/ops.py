@@ -148,6 +148,21 @@ def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref) -> Row:
                _output_mb(out), peak)
 
 
+def kv_cases(batch: int, device: torch.device):
+    """compact_kv_ on one layer of a SmolLM2-135M-shaped cache (3 KV heads x 64, 1024 slots), 17
+    accepted entries per request (a full 16-position path plus the root) after a 700-token prefix."""
+    gen = torch.Generator().manual_seed(batch)
+    keys = torch.randn(batch, 3, 1024, 64, generator=gen).to(device)
+    values = torch.randn(batch, 3, 1024, 64, generator=gen).to(device)
+    src = torch.stack([torch.sort(torch.randperm(64, generator=gen)[:17]).values + 700 for _ in range(batch)])
+    src, dst = src.to(device), torch.full((batch,), 700, dtype=torch.int64, device=device)
+    lengths = torch.full((batch,), 17, dtype=torch.int32, device=device)
+    ours_k, ours_v, ref_k, ref_v = keys.clone(), values.clone(), keys.clone(), values.clone()
+    yield ("compact_kv_", "H=3 S=1024 Dh=64 L=17",
+           lambda: (ops.compact_kv_(ours_k, ours_v, src, dst, lengths), ours_k)[1],
+           lambda: (reference.compact_kv_(ref_k, ref_v, src, dst, lengths), ref_k)[1])
+
+
 def run(devices: list[str], batches: list[int], nodes: list[int], past: int, select_batches: list[int],
         heap_budgets: list[int], only: str | None) -> list[Row]:
     rows = []
@@ -156,6 +171,8 @@ def run(devices: list[str], batches: list[int], nodes: list[int], past: int, sel
         if only in (None, "select"):
             for batch in select_batches:
                 for name, shape, ours, ref in select_cases(batch, device, heap_budgets):
+                    rows.append(measure(name, shape, batch, dev_name, ours, ref))
+                for name, shape, ours, ref in kv_cases(batch, device):
                     rows.append(measure(name, shape, batch, dev_name, ours, ref))
         if only not in (None, "tree"):
             continue

@@ -38,6 +38,10 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "ddtree_heap(Tensor logprobs, Tensor token_ids, Tensor root_tokens, int budget) -> "
       "(Tensor tokens, Tensor parents, Tensor depths, Tensor scores, Tensor num_nodes)");
+  // kv area
+  m.def(
+      "compact_kv_(Tensor(a!) keys, Tensor(b!) values, Tensor src_positions, Tensor dst_start, Tensor lengths) -> "
+      "()");
   // expand area
   m.def(
       "expand_depth(Tensor z, Tensor cand_ids, Tensor cand_base, Tensor parent_states, Tensor parent_scores, "

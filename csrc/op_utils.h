@@ -137,6 +137,58 @@ inline void check_ddtree_heap_inputs(const at::Tensor& logprobs, const at::Tenso
                     "], got ", budget);
 }
 
+// compact_kv_: one cache tensor [B, H, S, Dh] and the moves, all on one device.
+inline void check_compact_kv_inputs(const at::Tensor& cache, const char* name, const at::Tensor& src_positions,
+                                    const at::Tensor& dst_start, const at::Tensor& lengths) {
+  const char* op = "compact_kv_";
+  TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be [B, H, S, Dh], got shape ", cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), op, ": ", name, " must be contiguous");
+  check_same_device(op, name, cache, src_positions, "src_positions");
+  const int64_t batch = src_positions.size(0);
+  TORCH_CHECK(cache.size(0) == batch, op, ": ", name, " must have batch size ", batch, " (dim 0), got ", cache.sizes());
+  TORCH_CHECK(cache.size(2) < (int64_t{1} << 31) && cache.size(3) < (int64_t{1} << 31) && cache.size(1) <= 65535, op,
+              ": ", name, " is too large: ", cache.sizes());
+}
+
+inline void check_compact_kv_moves(const at::Tensor& src_positions, const at::Tensor& dst_start,
+                                   const at::Tensor& lengths) {
+  const char* op = "compact_kv_";
+  check_tensor(op, "src_positions", src_positions, at::kLong, 2);
+  check_tensor(op, "dst_start", dst_start, at::kLong, 1);
+  check_tensor(op, "lengths", lengths, at::kInt, 1);
+  check_same_device(op, "dst_start", dst_start, src_positions, "src_positions");
+  check_same_device(op, "lengths", lengths, src_positions, "src_positions");
+  const int64_t batch = src_positions.size(0);
+  check_shape(op, "dst_start", dst_start, {batch});
+  check_shape(op, "lengths", lengths, {batch});
+  TORCH_CHECK_VALUE(src_positions.size(1) <= kernels::kMaxKvMoves, op, ": at most ", kernels::kMaxKvMoves,
+                    " moved entries per request (src_positions dim 1), got ", src_positions.size(1));
+  TORCH_CHECK_VALUE(!src_positions.is_cuda() || batch <= 65535, op, ": CUDA takes at most 65535 requests");
+}
+
+// Values, on the CPU: each request moves lengths[b] entries from increasing positions
+// src_positions[b, :lengths[b]] >= dst_start[b] to dst_start[b] + i, inside a sequence of `seq`.
+inline void check_compact_kv_values_cpu(const at::Tensor& src_positions, const at::Tensor& dst_start,
+                                        const at::Tensor& lengths, int64_t seq) {
+  const char* op = "compact_kv_";
+  const int64_t batch = src_positions.size(0), l_max = src_positions.size(1);
+  const int64_t* src = src_positions.data_ptr<int64_t>();
+  const int64_t* dst = dst_start.data_ptr<int64_t>();
+  const int32_t* len = lengths.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = len[b];
+    TORCH_CHECK_VALUE(n >= 0 && n <= l_max, op, ": lengths[", b, "] = ", n, " is outside [0, ", l_max, "]");
+    TORCH_CHECK_VALUE(dst[b] >= 0 && dst[b] + n <= seq, op, ": dst_start[", b, "] = ", dst[b], " with ", n,
+                      " entries does not fit the cache's ", seq, " positions");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = src[b * l_max + i];
+      const int64_t floor = i == 0 ? dst[b] : src[b * l_max + i - 1] + 1;
+      TORCH_CHECK_VALUE(pos >= floor && pos < seq, op, ": src_positions[", b, ", ", i, "] = ", pos,
+                        " must be in [", floor, ", ", seq, "): increasing, at or after dst_start, inside the cache");
+    }
+  }
+}
+
 // The correction head's weights, as the expand ops take them.
 struct ExpandWeights {
   const at::Tensor& w_s;         // [E, G]

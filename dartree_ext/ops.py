@@ -298,3 +298,27 @@ def _build_supertree_fake(z, cand_ids, cand_base, root_state, w_s, fc2_weight, f
     batch, total = z.shape[0], sum(widths)
     return (cand_ids.new_empty((batch, total)), cand_ids.new_empty((batch, total), dtype=torch.int32),
             cand_ids.new_empty((batch, total), dtype=torch.int32), z.new_empty((batch, total), dtype=torch.float32))
+
+
+# kv area ---------------------------------------------------------------------------------------
+
+def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+    """Compact one layer's KV cache in place after verification.
+
+    ``keys [B, H, S, Dk]`` and ``values [B, H, S, Dv]`` (transformers' layout, any dtype,
+    contiguous). For each request ``b``, the entries at ``src_positions[b, :lengths[b]]``
+    (int64, increasing, at or after ``dst_start[b]``: the accepted tree nodes' cache slots) move
+    to ``dst_start[b] + i`` (int64; typically the request's committed length), for every head.
+    Entries past the moved ones are left as they are (the caller's attention mask hides them).
+    The CPU op checks the positions (``ValueError``); the CUDA kernel stages each row before
+    writing, so it is correct for any order, and skips positions outside the cache.
+    """
+    _ops.compact_kv_.default(keys, values, src_positions, dst_start, lengths)
+
+
+@torch.library.register_fake("dartree_ext::compact_kv_")
+def _compact_kv_fake(keys, values, src_positions, dst_start, lengths):
+    _check_same_device("compact_kv_", keys=keys, values=values, src_positions=src_positions, dst_start=dst_start,
+                       lengths=lengths)
+    return None

@@ -291,3 +291,18 @@ def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus
         scores_prev = scores
         offset_prev = sum(widths[:d])
     return (torch.cat(out_tokens, 1), torch.cat(out_parents, 1), torch.cat(out_depths, 1), torch.cat(out_scores, 1))
+
+
+# kv area ---------------------------------------------------------------------------------------
+
+def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+    """Gather every moved row first, then write: correct for any source order."""
+    for cache in (keys, values):
+        for b in range(cache.shape[0]):
+            n = int(lengths[b])
+            if n == 0:
+                continue
+            rows = cache[b, :, src_positions[b, :n]].clone()
+            start = int(dst_start[b])
+            cache[b, :, start:start + n] = rows

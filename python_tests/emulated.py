@@ -35,6 +35,7 @@ _SIGNATURES = {
     "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "emu_expand_depth": [_P, _P, _P, _P],
+    "emu_compact_kv": [_P, _I, _I, _I, ctypes.c_int64, _I, _P, _P, _P, _I],
     "emu_build_supertree": [_P, _P],
 }
 
@@ -167,6 +168,12 @@ class EmulatedOps:
         self.call("emu_ddtree_heap", _ptr(logprobs), _ptr(token_ids), _ptr(root_tokens), batch, depth_max, k, budget,
                   _ptr(tokens), _ptr(parents), _ptr(depths), _ptr(scores), _ptr(num_nodes))
         return tokens, parents, depths, scores, num_nodes
+
+    def compact_kv_(self, keys, values, src_positions, dst_start, lengths):
+        for cache in (keys, values):
+            batch, heads, seq, dim = cache.shape
+            self.call("emu_compact_kv", _ptr(cache), cache.element_size(), batch, heads, seq, dim,
+                      _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
 
     # expand area: the launchers take structs; these mirrors must match csrc/kernels/launchers.h
     def expand_depth(self, head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,

@@ -268,3 +268,52 @@ def test_expand_depth_states_wrong_size(device):
         ops.expand_depth(head, z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
                          torch.zeros(2, 2, 7, device=device), torch.zeros(2, 2, device=device),
                          torch.ones(2, dtype=torch.int32, device=device), 2)
+
+
+# kv area ---------------------------------------------------------------------------------------
+
+def _kv(device, seq=10):
+    return (torch.zeros(2, 1, seq, 4, device=device), torch.zeros(2, 1, seq, 4, device=device))
+
+
+def test_compact_kv_positions_not_increasing():
+    keys, values = _kv("cpu")
+    with pytest.raises(ValueError, match=r"src_positions\[0, 1\] = 4 must be in \[6, 10\)"):
+        ops.compact_kv_(keys, values, torch.tensor([[5, 4], [3, 4]]), torch.tensor([2, 2]),
+                        torch.tensor([2, 2], dtype=torch.int32))
+
+
+def test_compact_kv_source_before_destination():
+    keys, values = _kv("cpu")
+    with pytest.raises(ValueError, match=r"src_positions\[1, 0\] = 1 must be in \[2, 10\)"):
+        ops.compact_kv_(keys, values, torch.tensor([[5, 6], [1, 4]]), torch.tensor([2, 2]),
+                        torch.tensor([2, 2], dtype=torch.int32))
+
+
+def test_compact_kv_does_not_fit():
+    keys, values = _kv("cpu")
+    with pytest.raises(ValueError, match=r"dst_start\[0\] = 9 with 2 entries does not fit"):
+        ops.compact_kv_(keys, values, torch.tensor([[9, 9], [3, 4]]), torch.tensor([9, 2]),
+                        torch.tensor([2, 2], dtype=torch.int32))
+
+
+def test_compact_kv_length_out_of_range():
+    keys, values = _kv("cpu")
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 3 is outside \[0, 2\]"):
+        ops.compact_kv_(keys, values, torch.tensor([[5, 6], [3, 4]]), torch.tensor([2, 2]),
+                        torch.tensor([2, 3], dtype=torch.int32))
+
+
+def test_compact_kv_wrong_dtypes(device):
+    keys, values = _kv(device)
+    with pytest.raises(RuntimeError, match="src_positions must be Long"):
+        ops.compact_kv_(keys, values, torch.tensor([[5, 6], [3, 4]], dtype=torch.int32, device=device),
+                        torch.tensor([2, 2], device=device), torch.tensor([2, 2], dtype=torch.int32, device=device))
+
+
+def test_compact_kv_cache_not_contiguous(device):
+    keys, values = _kv(device)
+    with pytest.raises(RuntimeError, match="keys must be contiguous"):
+        ops.compact_kv_(keys.transpose(2, 3).contiguous().transpose(2, 3), values,
+                        torch.tensor([[5, 6], [3, 4]], device=device), torch.tensor([2, 2], device=device),
+                        torch.tensor([2, 2], dtype=torch.int32, device=device))

@@ -25,6 +25,10 @@ def _sample_args(name: str, device: str):
                 torch.tensor([12, 3, 0], dtype=torch.int32, device=device), 12)
     if name == "select_top_b":
         return (parents, torch.randn(parents.shape, device=device), num_nodes, 16)
+    if name == "compact_kv_":
+        return (torch.randn(3, 2, 30, 8, device=device), torch.randn(3, 2, 30, 4, device=device),
+                torch.tensor([[10, 12, 13], [5, 6, 0], [0, 0, 0]], device=device),
+                torch.tensor([9, 4, 0], device=device), torch.tensor([3, 2, 0], dtype=torch.int32, device=device))
     if name in ("expand_depth", "build_supertree"):
         from dartree_ext.tree import GRUCorrectionHead
         head = GRUCorrectionHead.random(30, 12, 8, 6, device=device)
@@ -44,7 +48,7 @@ def _sample_args(name: str, device: str):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
-                                  "build_supertree"])
+                                  "build_supertree", "compact_kv_"])
 def test_opcheck(name, device):
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

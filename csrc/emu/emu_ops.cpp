@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../kernels/expand.cuh"
+#include "../kernels/kv.cuh"
 #include "../kernels/select.cuh"
 #include "../kernels/tree_mask.cuh"
 #include "../kernels/verify.cuh"
@@ -169,6 +170,14 @@ int emu_expand_depth(const dartree::kernels::ExpandHead* head, const dartree::ke
 
 int emu_build_supertree(const dartree::kernels::ExpandHead* head, const dartree::kernels::SupertreeArgs* args) {
   return guarded([&] { dartree::kernels::launch_build_supertree(*head, *args, nullptr); });
+}
+
+int emu_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
+                   const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max) {
+  return guarded([&] {
+    dartree::kernels::launch_compact_kv(cache, element_bytes, batch, heads, seq, dim, src_positions, dst_start,
+                                        lengths, l_max, nullptr);
+  });
 }
 
 size_t emu_struct_sizes(int which) {  // lets the ctypes mirrors check their layout

@@ -47,6 +47,13 @@ void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const i
                         int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
                         float* scores, int32_t* num_nodes, cudaStream_t stream);
 
+// kv area: in-place compaction of one [B, H, S, Dh] cache tensor with `element_bytes`-wide elements;
+// src_positions [B, l_max], dst_start [B], lengths [B]. At most kMaxKvMoves entries per request.
+constexpr int kMaxKvMoves = 4096;
+void launch_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
+                       const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max,
+                       cudaStream_t stream);
+
 // expand area: DARTree's depth-wise expansion with a GRU correction head (kernels/expand.cuh).
 enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 

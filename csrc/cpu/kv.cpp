@@ -1,0 +1,49 @@
+// CPU kernel for KV-cache compaction (in place).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "../op_utils.h"
+
+namespace dartree {
+namespace {
+
+// Rows move in increasing order; the checked precondition (sources increasing and at or after
+// their destination) means a row is never overwritten before it has been read.
+void compact_one_cpu(const at::Tensor& cache, const char* name, const at::Tensor& src_positions,
+                     const at::Tensor& dst_start, const at::Tensor& lengths) {
+  check_compact_kv_inputs(cache, name, src_positions, dst_start, lengths);
+  const int64_t batch = cache.size(0), heads = cache.size(1), seq = cache.size(2);
+  const int64_t row_bytes = cache.size(3) * cache.element_size(), l_max = src_positions.size(1);
+  auto* base = static_cast<char*>(cache.data_ptr());
+  const int64_t* src = src_positions.data_ptr<int64_t>();
+  const int64_t* dst = dst_start.data_ptr<int64_t>();
+  const int32_t* len = lengths.data_ptr<int32_t>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads;
+      char* rows = base + bh * seq * row_bytes;
+      for (int64_t i = 0; i < len[b]; ++i) {
+        const int64_t from = src[b * l_max + i], to = dst[b] + i;
+        if (from != to) std::memcpy(rows + to * row_bytes, rows + from * row_bytes, row_bytes);
+      }
+    }
+  });
+}
+
+void compact_kv_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
+                    const at::Tensor& dst_start, const at::Tensor& lengths) {
+  check_compact_kv_moves(src_positions, dst_start, lengths);
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), "compact_kv_: keys and values ",
+              "must be [B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
+  check_compact_kv_values_cpu(src_positions, dst_start, lengths, keys.size(2));
+  compact_one_cpu(keys, "keys", src_positions, dst_start, lengths);
+  compact_one_cpu(values, "values", src_positions, dst_start, lengths);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) { m.impl("compact_kv_", &compact_kv_cpu); }
+
+}  // namespace dartree

@@ -1,0 +1,39 @@
+// CUDA op for KV-cache compaction: checks, device guard, current stream. Plain C++ (no nvcc): the
+// kernel is compiled from csrc/kernels/kv.cuh by csrc/cuda/kv.cu.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../kernels/launchers.h"
+#include "../op_utils.h"
+
+namespace dartree {
+namespace {
+
+void compact_one_cuda(const at::Tensor& cache, const char* name, const at::Tensor& src_positions,
+                      const at::Tensor& dst_start, const at::Tensor& lengths) {
+  check_compact_kv_inputs(cache, name, src_positions, dst_start, lengths);
+  kernels::launch_compact_kv(cache.data_ptr(), static_cast<int>(cache.element_size()), static_cast<int>(cache.size(0)),
+                             static_cast<int>(cache.size(1)), cache.size(2), static_cast<int>(cache.size(3)),
+                             src_positions.data_ptr<int64_t>(), dst_start.data_ptr<int64_t>(),
+                             lengths.data_ptr<int32_t>(), static_cast<int>(src_positions.size(1)),
+                             at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void compact_kv_cuda(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
+                     const at::Tensor& dst_start, const at::Tensor& lengths) {
+  check_compact_kv_moves(src_positions, dst_start, lengths);
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), "compact_kv_: keys and values ",
+              "must be [B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
+  const c10::cuda::CUDAGuard guard(keys.device());
+  compact_one_cuda(keys, "keys", src_positions, dst_start, lengths);
+  compact_one_cuda(values, "values", src_positions, dst_start, lengths);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dartree_ext, CUDA, m) { m.impl("compact_kv_", &compact_kv_cuda); }
+
+}  // namespace dartree

@@ -1,0 +1,69 @@
+// Device code for KV-cache compaction: move each request's accepted tree entries to contiguous
+// slots right after its prefix, in place, in a [B, H, S, Dh] cache (transformers' layout).
+#pragma once
+
+#include "common.cuh"
+
+namespace dartree {
+namespace kernels {
+
+constexpr int kKvThreads = 256;
+constexpr int kKvSharedBytes = 32 * 1024;
+
+// grid (H, B). Sources and destinations may overlap, so the block stages a chunk of columns of
+// all its moved rows in shared memory, synchronizes, then writes them: correct for any order of
+// the source positions. Columns are independent, so chunking over Dh keeps shared memory bounded.
+// `Bits` is an unsigned integer of the element's width: the copy moves bits, whatever the dtype.
+template <typename Bits>
+__global__ void compact_kv_kernel(Bits* cache, const int64_t* src_positions, const int64_t* dst_start,
+                                  const int32_t* lengths, int heads, int64_t seq, int dim, int l_max, int chunk) {
+  DARTREE_DYNAMIC_SHARED(Bits, s_rows);
+  const int h = blockIdx.x, b = blockIdx.y;
+  int n = lengths[b];
+  n = n < 0 ? 0 : (n > l_max ? l_max : n);
+  const int64_t dst = dst_start[b];
+  const int64_t* src = src_positions + static_cast<int64_t>(b) * l_max;
+  Bits* base = cache + (static_cast<int64_t>(b) * heads + h) * seq * dim;
+  for (int col0 = 0; col0 < dim; col0 += chunk) {
+    const int cols = min_int(chunk, dim - col0);
+    for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
+      const int i = idx / cols, c = idx % cols;
+      const int64_t pos = src[i];
+      if (pos >= 0 && pos < seq) s_rows[i * chunk + c] = base[pos * dim + col0 + c];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
+      const int i = idx / cols, c = idx % cols;
+      const int64_t pos = src[i], to = dst + i;
+      if (pos >= 0 && pos < seq && to >= 0 && to < seq) base[to * dim + col0 + c] = s_rows[i * chunk + c];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename Bits>
+void launch_compact_kv_as(void* cache, int batch, int heads, int64_t seq, int dim, const int64_t* src_positions,
+                          const int64_t* dst_start, const int32_t* lengths, int l_max, cudaStream_t stream) {
+  const int per_column = l_max * static_cast<int>(sizeof(Bits));
+  int chunk = kKvSharedBytes / per_column;
+  chunk = chunk < 1 ? 1 : (chunk > dim ? dim : chunk);
+  const size_t shared = static_cast<size_t>(chunk) * per_column;
+  auto kernel = compact_kv_kernel<Bits>;
+  DARTREE_LAUNCH(kernel, dim3(static_cast<unsigned>(heads), static_cast<unsigned>(batch)), dim3(kKvThreads), shared,
+                 stream, static_cast<Bits*>(cache), src_positions, dst_start, lengths, heads, seq, dim, l_max, chunk);
+}
+
+void launch_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
+                       const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max,
+                       cudaStream_t stream) {
+  if (batch == 0 || heads == 0 || dim == 0 || l_max == 0) return;
+  switch (element_bytes) {
+    case 1: launch_compact_kv_as<uint8_t>(cache, batch, heads, seq, dim, src_positions, dst_start, lengths, l_max, stream); break;
+    case 2: launch_compact_kv_as<uint16_t>(cache, batch, heads, seq, dim, src_positions, dst_start, lengths, l_max, stream); break;
+    case 4: launch_compact_kv_as<uint32_t>(cache, batch, heads, seq, dim, src_positions, dst_start, lengths, l_max, stream); break;
+    default: launch_compact_kv_as<uint64_t>(cache, batch, heads, seq, dim, src_positions, dst_start, lengths, l_max, stream);
+  }
+}
+
+}  // namespace kernels
+}  // namespace dartree
