@@ -292,6 +292,21 @@ inline void check_build_supertree_inputs(const ExpandWeights& w, const at::Tenso
   TORCH_CHECK_VALUE(!z.is_cuda() || batch <= 65535, op, ": CUDA kernels take at most 65535 requests per call");
 }
 
+// build_supertree's outputs, [B, sum(widths)] depth-major, on cand_ids' device; both backends.
+struct SupertreeOutputs {
+  at::Tensor tokens, parents, depths, scores;
+  int64_t total;
+};
+
+inline SupertreeOutputs allocate_supertree(const at::Tensor& cand_ids, at::IntArrayRef widths) {
+  int64_t total = 0;
+  for (int64_t w : widths) total += w;
+  const int64_t batch = cand_ids.size(0);
+  return {at::empty({batch, total}, cand_ids.options()), at::empty({batch, total}, cand_ids.options().dtype(at::kInt)),
+          at::empty({batch, total}, cand_ids.options().dtype(at::kInt)),
+          at::empty({batch, total}, cand_ids.options().dtype(at::kFloat)), total};
+}
+
 // Defined in cpu/verify.cpp, used by both backends.
 void check_verify_inputs(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& num_nodes,
                          const at::Tensor& target_tokens);

@@ -195,12 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cpu(
   const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
   const int64_t batch = z.size(0), depth = z.size(1);
-  int64_t total = 0;
-  for (int64_t w : widths) total += w;
-  at::Tensor tokens = at::empty({batch, total}, cand_ids.options());
-  at::Tensor parents = at::empty({batch, total}, cand_ids.options().dtype(at::kInt));
-  at::Tensor depths = at::empty({batch, total}, cand_ids.options().dtype(at::kInt));
-  at::Tensor scores = at::empty({batch, total}, cand_ids.options().dtype(at::kFloat));
+  auto [tokens, parents, depths, scores, total] = allocate_supertree(cand_ids, widths);
   const CpuHead head(weights);
   at::Tensor states = root_state.to(at::kFloat).unsqueeze(1).contiguous();  // [B, 1, G]
   const std::vector<float> root_scores(batch, 0.0f);

@@ -81,16 +81,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cuda(
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
   const c10::cuda::CUDAGuard guard(z.device());
   const int64_t batch = z.size(0), depth = z.size(1), k = cand_ids.size(2), g = w_s.size(1);
-  int64_t total = 0, max_width = 1;
-  for (int64_t w : widths) {
-    total += w;
-    max_width = std::max(max_width, w);
-  }
+  auto [tokens, parents, depths, scores, total] = allocate_supertree(cand_ids, widths);
+  int64_t max_width = 1;  // workspaces need at least one row, even for zero depths
+  for (int64_t w : widths) max_width = std::max(max_width, w);
   const auto f32 = z.options().dtype(at::kFloat), i32 = z.options().dtype(at::kInt);
-  at::Tensor tokens = at::empty({batch, total}, cand_ids.options());
-  at::Tensor parents = at::empty({batch, total}, i32);
-  at::Tensor depths = at::empty({batch, total}, i32);
-  at::Tensor scores = at::empty({batch, total}, f32);
   // workspaces, sized from the shapes
   at::Tensor cand_scores = at::empty({batch, max_width, k}, f32);
   at::Tensor states[2] = {at::empty({batch, max_width, g}, f32), at::empty({batch, max_width, g}, f32)};
