@@ -150,9 +150,11 @@ inline void check_compact_kv_inputs(const at::Tensor& cache, const char* name, c
               ": ", name, " is too large: ", cache.sizes());
 }
 
-inline void check_compact_kv_moves(const at::Tensor& src_positions, const at::Tensor& dst_start,
-                                   const at::Tensor& lengths) {
+inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
+                                   const at::Tensor& dst_start, const at::Tensor& lengths) {
   const char* op = "compact_kv_";
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), op, ": keys and values must be ",
+              "[B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
   check_tensor(op, "src_positions", src_positions, at::kLong, 2);
   check_tensor(op, "dst_start", dst_start, at::kLong, 1);
   check_tensor(op, "lengths", lengths, at::kInt, 1);

@@ -34,9 +34,7 @@ void compact_one_cpu(const at::Tensor& cache, const char* name, const at::Tensor
 
 void compact_kv_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& lengths) {
-  check_compact_kv_moves(src_positions, dst_start, lengths);
-  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), "compact_kv_: keys and values ",
-              "must be [B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
+  check_compact_kv_moves(keys, values, src_positions, dst_start, lengths);
   check_compact_kv_values_cpu(src_positions, dst_start, lengths, keys.size(2));
   compact_one_cpu(keys, "keys", src_positions, dst_start, lengths);
   compact_one_cpu(values, "values", src_positions, dst_start, lengths);

@@ -24,9 +24,7 @@ void compact_one_cuda(const at::Tensor& cache, const char* name, const at::Tenso
 
 void compact_kv_cuda(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
                      const at::Tensor& dst_start, const at::Tensor& lengths) {
-  check_compact_kv_moves(src_positions, dst_start, lengths);
-  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), "compact_kv_: keys and values ",
-              "must be [B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
+  check_compact_kv_moves(keys, values, src_positions, dst_start, lengths);
   const c10::cuda::CUDAGuard guard(keys.device());
   compact_one_cuda(keys, "keys", src_positions, dst_start, lengths);
   compact_one_cuda(values, "values", src_positions, dst_start, lengths);
