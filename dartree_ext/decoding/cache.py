@@ -1,0 +1,55 @@
+"""Applying the KV-compaction op to a transformers ``Cache``.
+
+After a verification forward, each layer of the target's cache holds the committed prefix
+followed by every tree node's entry. :func:`compact_cache_` keeps the accepted path's entries:
+for each request they move to the slots right after its committed prefix (one
+:func:`dartree_ext.ops.compact_kv_` per layer), and a croppable cache (``DynamicCache``) is cut
+to ``new_length`` slots. A static cache (``StaticCache``) keeps its size; the caller's
+attention mask hides the slots past each request's length.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+
+
+def cache_layers(cache) -> list:
+    """The per-layer objects of a transformers ``Cache`` holding ``keys`` and ``values``
+    tensors ``[B, H, S, D]``."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"expected a transformers Cache with .layers (transformers >= 4.56), got {type(cache).__name__}")
+    for i, layer in enumerate(layers):
+        if getattr(layer, "keys", None) is None or getattr(layer, "values", None) is None:
+            raise ValueError(f"cache layer {i} ({type(layer).__name__}) holds no keys/values yet (is it initialised?)")
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError(f"cache layer {i} is a sliding-window layer: tree KV compaction needs full "
+                                      "attention layers")
+    return list(layers)
+
+
+def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, lengths: torch.Tensor,
+                   new_length: int | None = None):
+    """Move, in every layer, request ``b``'s entries at ``src_positions[b, :lengths[b]]``
+    (int64, increasing, ``>= dst_start[b]``) to ``dst_start[b] + i``; then crop a croppable
+    cache to ``new_length`` slots (``None``: leave its length). Returns ``cache``."""
+    for layer in cache_layers(cache):
+        keys, values = layer.keys, layer.values
+        if not (keys.is_contiguous() and values.is_contiguous()):
+            raise ValueError("cache keys/values must be contiguous for in-place compaction")
+        ops.compact_kv_(keys, values, src_positions, dst_start, lengths)
+    if new_length is not None and type(cache).__name__ != "StaticCache":
+        for layer in cache_layers(cache):
+            if layer.keys.shape[2] > new_length:
+                layer.keys = layer.keys[:, :, :new_length]
+                layer.values = layer.values[:, :, :new_length]
+    return cache
+
+
+def select_requests_(cache, indices: torch.Tensor):
+    """Keep only the requests ``indices`` (int64[B']) of every layer, in that order."""
+    for layer in cache_layers(cache):
+        layer.keys = layer.keys.index_select(0, indices).contiguous()
+        layer.values = layer.values.index_select(0, indices).contiguous()
+    return cache

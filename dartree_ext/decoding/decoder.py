@@ -1,0 +1,389 @@
+"""Speculative decoding of a HuggingFace causal LM with draft trees, lossless at any temperature.
+
+One round, for every unfinished request at once (each with its own tree and acceptance):
+drafter pass -> draft tree (the ops) -> ``tree_attention_mask`` + positions -> one target
+forward over root + tree -> the target's token at every node (argmax, or a sample at T > 0) ->
+``verify_tree`` -> commit the accepted path and the bonus token -> ``compact_kv_`` on every
+layer -> the target hidden states of the accepted path become the drafter's new context.
+
+Cache layout: slot ``j`` of request ``b`` holds a committed token for ``pad[b] <= j < length[b]``
+(prompts are left-padded); the last committed token (the *root*) is not in the cache yet, it
+is node 0 of the next tree. Slots past ``length[b]`` are stale and hidden by the mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+from .. import ops
+from ..models import BlockDrafter
+from ..sampling import target_tokens_from_logits
+from ..tree import Tree, build_dartree, candidates, seq_heap, supertree_as_tree
+from .cache import compact_cache_, select_requests_
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
+PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """One request: ``accepted[r]`` = draft tokens accepted in round r (tau_r = that + 1)."""
+
+    prompt_tokens: int
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    new_tokens: int = 0
+    finish_reason: str = ""
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round (accepted + bonus), averaged over this request's rounds."""
+        return (sum(self.accepted) / len(self.accepted) + 1.0) if self.accepted else 0.0
+
+
+@dataclasses.dataclass
+class DecodingStats:
+    """Acceptance and time of one ``generate`` call."""
+
+    method: str
+    requests: list[RequestStats]
+    time: dict[str, float]                  # seconds per phase (PHASES)
+    tree_nodes: list[int] = dataclasses.field(default_factory=list)   # draft nodes per verified tree
+    nodes_per_depth: Counter = dataclasses.field(default_factory=Counter)
+
+    @property
+    def rounds(self) -> int:
+        return sum(r.rounds for r in self.requests)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round over all rounds of all requests (micro average)."""
+        rounds = self.rounds
+        return (sum(sum(r.accepted) for r in self.requests) / rounds + 1.0) if rounds else 0.0
+
+    @property
+    def tau_macro(self) -> float:
+        """Mean over requests of each request's tau."""
+        taus = [r.tau for r in self.requests if r.rounds]
+        return sum(taus) / len(taus) if taus else 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.new_tokens for r in self.requests)
+
+    @property
+    def total_time(self) -> float:
+        return sum(self.time.values())
+
+    def accept_histogram(self) -> list[int]:
+        """``h[a]`` = rounds that accepted exactly ``a`` draft tokens."""
+        counts = Counter(a for r in self.requests for a in r.accepted)
+        top = max(counts, default=-1)
+        return [counts.get(a, 0) for a in range(top + 1)]
+
+    def summary(self) -> dict:
+        total = self.total_time
+        return {
+            "method": self.method, "requests": len(self.requests), "rounds": self.rounds,
+            "new_tokens": self.new_tokens, "tau": round(self.tau, 4), "tau_macro": round(self.tau_macro, 4),
+            "mean_tree_nodes": round(sum(self.tree_nodes) / len(self.tree_nodes), 2) if self.tree_nodes else 0.0,
+            "time_s": round(total, 4),
+            "time_per_token_ms": round(1e3 * total / max(1, self.new_tokens), 4),
+            "time_split": {k: round(v / total, 4) if total else 0.0 for k, v in self.time.items()},
+            "accept_histogram": self.accept_histogram(),
+        }
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # int64[B, prompt + generated], as HF ``generate`` returns them
+    stats: DecodingStats
+
+
+def _text_config(target):
+    cfg = target.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of ``target`` with ``drafter`` by ``method`` (see :data:`METHODS`).
+
+    ``budget`` = draft nodes per tree (B, root excluded) for ``ddtree``, ``dartree``,
+    ``dartree_fixed`` (``budget // depth`` per depth) and ``seq_heap``; ``width`` = W, the
+    children kept per depth by ``dartree``; ``K`` = candidates per position;
+    ``depth_bonus`` = beta (<= 0 keeps the pruned tree exactly the best-first heap's).
+    """
+
+    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
+                 budget: int = 64, width: int = 12, K: int = 64, depth_bonus: float = -0.2,
+                 sync_timing: bool = True) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        if width < 1 or K < 1:
+            raise ValueError(f"width and K must be >= 1, got width={width}, K={K}")
+        if method != "ar":
+            if drafter is None:
+                raise ValueError(f"method {method!r} needs a drafter")
+            drafter.attach(target)  # raises on a target mismatch
+        self.target, self.drafter, self.method = target, drafter, method
+        self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
+        self.sync_timing = sync_timing
+        self._head = None
+        if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
+            self._head = drafter.export_head(dtype=drafter.context_proj.weight.dtype)
+        params = inspect.signature(target.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # trees ----------------------------------------------------------------------------------
+    def build_tree(self, hidden: torch.Tensor | None, base_logits: torch.Tensor | None,
+                   root: torch.Tensor) -> Tree:
+        """This decoder's draft tree for one drafter pass (``hidden [B, D', H]``,
+        ``base_logits [B, D', V]``, ``root int64[B]``)."""
+        batch, device, m = root.shape[0], root.device, self.method
+        if m == "ar":
+            return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
+                        depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+                        scores=torch.zeros(batch, 1, device=device),
+                        num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
+        depth = base_logits.shape[1]
+        if m == "chain":
+            n = depth + 1
+            return Tree(tokens=torch.cat([root[:, None], base_logits.argmax(-1)], 1),
+                        parents=(torch.arange(n, device=device, dtype=torch.int32) - 1).expand(batch, n).contiguous(),
+                        depths=torch.arange(n, device=device, dtype=torch.int32).expand(batch, n).contiguous(),
+                        scores=torch.zeros(batch, n, device=device),
+                        num_nodes=torch.full((batch,), n, dtype=torch.int32, device=device))
+        k = min(self.K, base_logits.shape[-1])
+        if m == "ddtree":
+            logprobs, ids = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
+            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids.contiguous(), root, self.budget))
+        head = self._head
+        root_state = torch.zeros(batch, head.w_s.shape[1], dtype=head.w_s.dtype, device=device)
+        if m == "chain_corrected":
+            cand_ids, cand_base = candidates(base_logits, k)
+            sup = ops.build_supertree(head, head.project(hidden).contiguous(), cand_ids.contiguous(),
+                                      cand_base.to(head.w_s.dtype).contiguous(), root_state, [1] * depth, 0.0)
+            return supertree_as_tree(*sup, root)
+        if m in ("dartree", "dartree_fixed"):
+            return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=self.width,
+                                 budget=self.budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed")
+        cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
+        return seq_heap(head, head.project(hidden), cand_ids, cand_base.to(head.w_s.dtype), root, root_state,
+                        self.budget, self.depth_bonus)
+
+    # generation -----------------------------------------------------------------------------
+    def _tick(self, times: dict[str, float], phase: str, start: float) -> float:
+        if self.sync_timing and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        now = time.perf_counter()
+        times[phase] += now - start
+        return now
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
+                 progress: bool = False) -> GenerationOutput:
+        """Decode ``max_new_tokens`` tokens (or until a stop token) for each prompt of
+        ``input_ids int64[B, L]`` (``attention_mask`` marks the real tokens; any padding side).
+
+        ``temperature == 0`` is greedy; ``> 0`` samples with ``top_k`` / ``top_p`` (HF's
+        warpers) using ``generator``. Returns ``sequences`` = ``input_ids`` followed by the
+        generated tokens (right-padded with the pad token), as HF ``generate`` does, and stats.
+        """
+        target, drafter = self.target, self.drafter
+        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids must be int64[B, L], got {input_ids.dtype}{list(input_ids.shape)}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        text = _text_config(target)
+        device = next(target.parameters()).device
+        self._device = device
+        input_ids = input_ids.to(device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids {list(input_ids.shape)}")
+        attention_mask = attention_mask.to(device).bool()
+        prompts = [input_ids[b][attention_mask[b]] for b in range(input_ids.shape[0])]
+        if any(p.numel() == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        max_pos = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+        longest = max(p.numel() for p in prompts)
+        if max_pos is not None and longest >= max_pos:
+            raise ValueError(f"a prompt has {longest} tokens; the target's context is {max_pos} positions")
+        vocab = int(text.vocab_size)
+        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        stop = set(int(t) for t in (stop_token_ids or ()))
+        pad_id = self._pad_token_id()
+
+        times = {p: 0.0 for p in PHASES}
+        stats = DecodingStats(self.method, [RequestStats(int(p.numel())) for p in prompts], times)
+        generated: list[list[int]] = [[] for _ in prompts]
+        t = time.perf_counter()
+
+        # prefill: every prompt but its last token (the first root), left-padded
+        batch = len(prompts)
+        prefix = max(p.numel() for p in prompts) - 1
+        pad = torch.tensor([prefix - (p.numel() - 1) for p in prompts], dtype=torch.int64, device=device)
+        length = torch.full((batch,), prefix, dtype=torch.int64, device=device)
+        root = torch.stack([p[-1] for p in prompts])
+        cache = self._new_cache()
+        need_ctx = drafter is not None and self.method != "ar"
+        dtype = next(target.parameters()).dtype
+        context = None
+        if prefix > 0:
+            ids = torch.full((batch, prefix), pad_id, dtype=torch.int64, device=device)
+            for b, p in enumerate(prompts):
+                ids[b, int(pad[b]):] = p[:-1]
+            slot = torch.arange(prefix, device=device)
+            visible = (slot[None, :, None] >= slot[None, None, :]) & (slot[None, None, :] >= pad[:, None, None])
+            visible |= torch.eye(prefix, dtype=torch.bool, device=device)  # pad rows see themselves: no NaN
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+            out = target(input_ids=ids, attention_mask=mask[:, None], position_ids=(slot - pad[:, None]).clamp(min=0),
+                         use_cache=True, output_hidden_states=need_ctx, logits_to_keep=1, **{self._cache_kw: cache})
+            if need_ctx:
+                context = drafter.project_context(drafter.target_features(out.hidden_states))
+        t = self._tick(times, "prefill", t)
+
+        active = torch.arange(batch, device=device)  # original request index of each row
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=batch * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
+        while active.numel():
+            rows = active.numel()
+            cache_len = int(length.max()) if rows else 0
+            cache_len = max(cache_len, self._cache_length(cache))
+            slot = torch.arange(cache_len, device=device)
+            past_valid = (slot[None] >= pad[:, None]) & (slot[None] < length[:, None])
+            position = length - pad  # the root's position
+
+            hidden = base_logits = None
+            if need_ctx:
+                if context is None:
+                    context = torch.zeros(rows, 0, drafter.config.hidden_size, dtype=drafter.context_proj.weight.dtype,
+                                          device=device)
+                draft = drafter(root, position, context[:, :cache_len], (slot[None] - pad[:, None]).clamp(min=0),
+                                past_valid)
+                hidden, base_logits = draft.hidden, draft.base_logits
+            t = self._tick(times, "draft", t)
+
+            tree = self.build_tree(hidden, base_logits, root)
+            t = self._tick(times, "tree", t)
+
+            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past_valid, dtype)
+            positions = position[:, None] + tree.depths.clamp(min=0).long()
+            out = target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                         output_hidden_states=need_ctx, **{self._cache_kw: cache})
+            target_tokens = target_tokens_from_logits(out.logits, temperature, top_k, top_p, generator)
+            accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+            t = self._tick(times, "verify", t)
+
+            # commit: accepted path (root + accepted nodes) enters the cache, bonus is the next root
+            lengths = (accept_len + 1).to(torch.int32)
+            width = int(lengths.max())
+            nodes = accept_nodes[:, :width].long()
+            in_path = torch.arange(width, device=device)[None] < lengths[:, None]
+            nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
+            compact_cache_(cache, (cache_len + nodes).contiguous(), length.contiguous(), lengths,
+                           new_length=int((length + lengths).max()))
+            if need_ctx:
+                feats = drafter.target_features(tuple(h.gather(1, nodes[..., None].expand(-1, -1, h.shape[-1]))
+                                                      for h in out.hidden_states))
+                new_ctx = drafter.project_context(feats)
+                grow = int((length + lengths).max()) - context.shape[1]
+                if grow > 0:
+                    context = torch.cat([context, context.new_zeros(rows, grow, context.shape[2])], 1)
+                dst = (length[:, None] + torch.arange(width, device=device)[None]).clamp(max=context.shape[1] - 1)
+                rows_idx = torch.arange(rows, device=device)[:, None].expand(-1, width)
+                context[rows_idx[in_path], dst[in_path]] = new_ctx[in_path]
+            path_tokens = tree.tokens.gather(1, nodes)
+            length = length + lengths
+            root = bonus
+
+            accepted_list, bonus_list = accept_len.tolist(), bonus.tolist()
+            path_list = path_tokens.tolist()
+            tree_sizes = (tree.num_nodes - 1).tolist()
+            depth_counts = None
+            if self.method != "ar":
+                depth_counts = torch.bincount(tree.depths[tree.depths > 0].long()).tolist()
+                stats.nodes_per_depth.update({d: c for d, c in enumerate(depth_counts) if d > 0})
+            keep = []
+            for row, req in enumerate(active.tolist()):
+                rs = stats.requests[req]
+                a = accepted_list[row]
+                rs.accepted.append(a)
+                stats.tree_nodes.append(tree_sizes[row])
+                done = ""
+                for tok in path_list[row][1:a + 1] + [bonus_list[row]]:
+                    generated[req].append(tok)
+                    if tok in stop:
+                        done = "stop"
+                    elif len(generated[req]) >= max_new_tokens:
+                        done = "length"
+                    elif max_pos is not None and rs.prompt_tokens + len(generated[req]) >= max_pos:
+                        done = "context"
+                    if done:
+                        break
+                rs.new_tokens = len(generated[req])
+                if done:
+                    rs.finish_reason = done
+                else:
+                    keep.append(row)
+            if bar is not None:
+                bar.update(sum(1 + a for a in accepted_list))
+            if len(keep) < rows:
+                idx = torch.tensor(keep, dtype=torch.int64, device=device)
+                active, pad, length, root = active[idx], pad[idx], length[idx], root[idx]
+                if context is not None:
+                    context = context[idx]
+                if keep:
+                    select_requests_(cache, idx)
+            t = self._tick(times, "bookkeeping", t)
+        if bar is not None:
+            bar.close()
+
+        width = max(len(g) for g in generated)
+        tail = torch.full((batch, width), pad_id, dtype=torch.int64, device=device)
+        for b, g in enumerate(generated):
+            tail[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
+        return GenerationOutput(sequences=torch.cat([input_ids, tail], 1), stats=stats)
+
+    # helpers --------------------------------------------------------------------------------
+    def _new_cache(self):
+        from transformers import DynamicCache
+        return DynamicCache(config=self.target.config)
+
+    @staticmethod
+    def _cache_length(cache) -> int:
+        layers = getattr(cache, "layers", None)
+        if not layers or getattr(layers[0], "keys", None) is None:
+            return 0
+        return int(layers[0].keys.shape[2])
+
+    def _pad_token_id(self) -> int:
+        for cfg in (getattr(self.target, "generation_config", None), self.target.config):
+            for name in ("pad_token_id", "eos_token_id"):
+                value = getattr(cfg, name, None) if cfg is not None else None
+                if isinstance(value, (list, tuple)):
+                    value = value[0] if value else None
+                if value is not None:
+                    return int(value)
+        return 0

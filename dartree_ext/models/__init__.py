@@ -1,0 +1,7 @@
+"""Drafter models: :class:`BlockDrafter` (block-parallel drafter), :class:`CorrectionHead`
+(GRU causal correction) and :class:`VerificationHead` (VAT)."""
+from .drafter import (BlockDrafter, BlockDrafterConfig, CorrectionHead, DraftOutput, VerificationHead,
+                      default_target_layers)
+
+__all__ = ["BlockDrafter", "BlockDrafterConfig", "CorrectionHead", "DraftOutput", "VerificationHead",
+           "default_target_layers"]

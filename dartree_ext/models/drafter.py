@@ -1,0 +1,355 @@
+"""The drafter models: a block-parallel (DFlash-style) drafter, the GRU causal-correction head
+(Domino-style) and the verification head (VAT).
+
+The drafter shares the target's token embedding and LM head (they are *not* its parameters:
+``parameters()`` / ``save_pretrained`` leave them out, and they stay frozen). Its context is
+a projection of the concatenated hidden states of a few target layers, one vector per token
+already in the target's KV cache; a block is ``[last committed token, mask x (D - 1)]``,
+attends non-causally inside itself and to the whole context, and one pass predicts the D - 1
+tokens after the last committed one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tree import GRUCorrectionHead
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "dartree_drafter.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_target_layers(num_target_layers: int, count: int = 3) -> tuple[int, ...]:
+    """Indices into HF ``hidden_states`` (0 = embedding output, i = output of layer i), spread
+    over the target's depth from its first layer to its second-to-last (the last entry of
+    ``hidden_states`` is already normalised for the LM head)."""
+    if num_target_layers < 1:
+        raise ValueError(f"the target needs at least one layer, got {num_target_layers}")
+    hi = max(1, num_target_layers - 1)
+    count = max(1, min(count, hi))
+    if count == 1:
+        return (hi,)
+    return tuple(sorted({round(1 + j * (hi - 1) / (count - 1)) for j in range(count)}))
+
+
+@dataclasses.dataclass
+class BlockDrafterConfig:
+    """Sizes of a drafter and of the target it was built for."""
+
+    vocab_size: int
+    hidden_size: int                       # = the target's (shared embedding and LM head)
+    target_num_layers: int
+    target_layer_ids: tuple[int, ...]      # indices into the target's hidden_states
+    block_size: int = 16                   # D: 1 root + D - 1 predicted positions
+    num_layers: int = 1
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None            # default hidden_size // num_heads
+    intermediate_size: int | None = None   # default 2 * hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    head_state_size: int = 128             # G: the correction head's GRU state
+    head_proj_size: int = 64               # E: the correction head's inner width
+    target_model_type: str = ""
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 2 * self.hidden_size
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (a root and at least one drafted position), got "
+                             f"{self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_layers]
+        if not self.target_layer_ids or bad:
+            raise ValueError(f"target_layer_ids must index the target's hidden_states (0..{self.target_num_layers}), "
+                             f"got {self.target_layer_ids}")
+
+    @property
+    def draft_depth(self) -> int:
+        """Positions drafted per pass (D - 1)."""
+        return self.block_size - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+
+def _target_sizes(target: nn.Module) -> tuple[int, int, int, str]:
+    cfg = getattr(target, "config", None)
+    if cfg is None:
+        raise TypeError("target must be a HuggingFace causal LM (it has no .config)")
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.vocab_size), int(text.hidden_size), int(text.num_hidden_layers), str(getattr(cfg, "model_type", ""))
+
+
+def _target_io(target: nn.Module) -> tuple[nn.Module, nn.Module]:
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if embed is None or head is None:
+        raise TypeError("target must have input embeddings and an LM head (a *ForCausalLM model)")
+    return embed, head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding: ``x [B, H, T, Dh]``, ``positions int64[B, T]``."""
+    half = x.shape[-1] // 2
+    inv = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = positions.float()[:, None, :, None] * inv
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm decoder layer whose queries are the block and whose keys/values are the context
+    followed by the block (non-causal inside the block)."""
+
+    def __init__(self, cfg: BlockDrafterConfig) -> None:
+        super().__init__()
+        h, nh, nkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = nn.Linear(h, nh * dh, bias=False)
+        self.k_proj = nn.Linear(h, nkv * dh, bias=False)
+        self.v_proj = nn.Linear(h, nkv * dh, bias=False)
+        self.o_proj = nn.Linear(nh * dh, h, bias=False)
+        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
+                ctx_mask: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        hx = self.attn_norm(x)
+        keys_in = torch.cat([ctx.expand(x.shape[0], -1, -1), hx], 1)
+        pos = torch.cat([ctx_pos.expand(x.shape[0], -1), block_pos], 1)
+        q = _rope(self._heads(self.q_proj(hx), cfg.num_heads), block_pos, cfg.rope_theta)
+        k = _rope(self._heads(self.k_proj(keys_in), cfg.num_kv_heads), pos, cfg.rope_theta)
+        v = self._heads(self.v_proj(keys_in), cfg.num_kv_heads)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        visible = torch.cat([ctx_mask.expand(x.shape[0], -1),
+                             torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)], 1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        hm = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm))
+
+
+class CorrectionHead(nn.Module):
+    """The GRU causal-correction head (DESIGN.md): for a branch whose tokens so far give GRU
+    state ``s`` (``s_0 = 0``; ``s = GRUCell(E[token], s_prev)`` with the target's embedding E),
+    corrected logits at position d are ``L_d + fc2(SiLU(W_z H_d + b1 + W_s s))``."""
+
+    def __init__(self, cfg: BlockDrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gru = nn.GRUCell(cfg.hidden_size, cfg.head_state_size)
+        self.w_z = nn.Linear(cfg.hidden_size, cfg.head_proj_size)
+        self.w_s = nn.Linear(cfg.head_state_size, cfg.head_proj_size, bias=False)
+        self.fc2 = nn.Linear(cfg.head_proj_size, cfg.vocab_size)
+
+    def forward(self, drafter_hidden: torch.Tensor, base_logits: torch.Tensor, tokens: torch.Tensor,
+                embedding: nn.Module) -> torch.Tensor:
+        """Teacher-forced corrected logits ``[B, T, V]`` for drafter hidden states ``[B, T, H]``
+        and base logits ``[B, T, V]``, where ``tokens int64[B, T]`` holds the token at each
+        position (position d is corrected with the state after tokens ``< d``)."""
+        batch, steps = tokens.shape
+        state = drafter_hidden.new_zeros(batch, self.cfg.head_state_size)
+        emb = embedding(tokens).to(drafter_hidden.dtype)
+        states = []
+        for d in range(steps):
+            states.append(state)
+            if d + 1 < steps:
+                state = self.gru(emb[:, d], state)
+        s = torch.stack(states, 1)
+        return base_logits + self.fc2(F.silu(self.w_z(drafter_hidden) + self.w_s(s)))
+
+    def export(self, embedding: nn.Embedding, dtype: torch.dtype | None = None) -> GRUCorrectionHead:
+        """The tensors the tree ops read (the GRU input gates precomputed for the vocabulary)."""
+        head = GRUCorrectionHead.from_modules(embedding, self.gru, self.w_z, self.w_s, self.fc2)
+        if dtype is not None:
+            head = GRUCorrectionHead(**{f.name: None if getattr(head, f.name) is None else
+                                        getattr(head, f.name).to(dtype) for f in dataclasses.fields(head)})
+        return head
+
+
+class VerificationHead(nn.Module):
+    """VAT's verification head: one linear layer giving, per drafted position, the logit of
+    "this position and all before it are accepted"."""
+
+    def __init__(self, cfg: BlockDrafterConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, 1)
+
+    def forward(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(drafter_hidden).squeeze(-1)
+
+
+@dataclasses.dataclass
+class DraftOutput:
+    hidden: torch.Tensor       # [B, D - 1, H]: drafter hidden states of the drafted positions
+    base_logits: torch.Tensor  # [B, D - 1, V]
+
+
+class BlockDrafter(nn.Module):
+    """A block-parallel drafter with its correction and verification heads."""
+
+    def __init__(self, cfg: BlockDrafterConfig, target: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        feat = cfg.hidden_size * len(cfg.target_layer_ids)
+        self.context_proj = nn.Linear(feat, cfg.hidden_size, bias=False)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(cfg.hidden_size) * 0.02)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.correction_head = CorrectionHead(cfg)
+        self.verification_head = VerificationHead(cfg)
+        self._target_modules: tuple[nn.Module, nn.Module] | None = None
+        if target is not None:
+            self.attach(target)
+
+    # target --------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: nn.Module, **config: Any) -> "BlockDrafter":
+        """A freshly initialised drafter sized for the HF causal LM ``target`` (keyword
+        arguments override :class:`BlockDrafterConfig` fields)."""
+        vocab, hidden, layers, model_type = _target_sizes(target)
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        defaults = dict(vocab_size=vocab, hidden_size=hidden, target_num_layers=layers,
+                        target_layer_ids=default_target_layers(layers), target_model_type=model_type,
+                        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
+        rope = getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
+        if rope:
+            defaults["rope_theta"] = float(rope)
+        heads = int(getattr(text, "num_attention_heads", 4))
+        if hidden % heads == 0:
+            defaults["num_heads"] = heads
+            kv = int(getattr(text, "num_key_value_heads", heads) or heads)
+            defaults["num_kv_heads"] = kv if heads % kv == 0 else heads
+        defaults.update(config)
+        drafter = cls(BlockDrafterConfig(**defaults), target)
+        param = next(target.parameters())
+        return drafter.to(device=param.device)
+
+    def attach(self, target: nn.Module) -> "BlockDrafter":
+        """Use ``target``'s embedding and LM head (checked against the config)."""
+        vocab, hidden, layers, _ = _target_sizes(target)
+        cfg = self.config
+        if (vocab, hidden, layers) != (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers):
+            raise ValueError(
+                f"this drafter was built for a target with vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, "
+                f"{cfg.target_num_layers} layers; the given target has vocab_size={vocab}, hidden_size={hidden}, "
+                f"{layers} layers")
+        self._target_modules = _target_io(target)
+        return self
+
+    @property
+    def embedding(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[1]
+
+    # forward -------------------------------------------------------------------------------
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The concatenated target hidden states the context is made of: ``[B, T, H * n]``."""
+        return torch.cat([hidden_states[i] for i in self.config.target_layer_ids], -1)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Context vectors ``[B, T, H]`` from :meth:`target_features`."""
+        w = self.context_proj.weight
+        return self.context_norm(self.context_proj(features.to(w.dtype)))
+
+    def forward(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, context: torch.Tensor,
+                context_positions: torch.Tensor, context_mask: torch.Tensor) -> DraftOutput:
+        """One drafting pass. ``root_tokens int64[B]`` at ``root_positions int64[B]``; context
+        vectors ``[B or 1, S, H]`` (:meth:`project_context`) at ``context_positions
+        int64[B or 1, S]``, visible where ``context_mask bool[B or 1, S]``."""
+        cfg = self.config
+        batch = root_tokens.shape[0]
+        dtype = self.context_proj.weight.dtype
+        root = self.embedding(root_tokens).to(dtype)
+        x = torch.cat([root[:, None], self.mask_embedding.to(dtype).expand(batch, cfg.block_size - 1, -1)], 1)
+        block_pos = root_positions[:, None] + torch.arange(cfg.block_size, device=root_tokens.device)
+        for layer in self.layers:
+            x = layer(x, block_pos, context, context_positions, context_mask)
+        hidden = self.norm(x[:, 1:])
+        head_w = self.lm_head.weight
+        logits = self.lm_head(hidden.to(head_w.dtype))
+        return DraftOutput(hidden=hidden, base_logits=logits)
+
+    def export_head(self, dtype: torch.dtype | None = None) -> GRUCorrectionHead:
+        return self.correction_head.export(self.embedding, dtype)
+
+    # persistence ---------------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """``path/dartree_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights)."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  os.path.join(path, WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module,
+                        dtype: torch.dtype | None = None) -> "BlockDrafter":
+        """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a
+        vocabulary, hidden-size or depth mismatch is a ``ValueError``)."""
+        from safetensors.torch import load_file
+        cfg_path = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no drafter at {path!r}: {CONFIG_NAME} is missing")
+        with open(cfg_path) as f:
+            cfg = BlockDrafterConfig(**json.load(f))
+        drafter = cls(cfg)
+        drafter.attach(target)
+        state = load_file(os.path.join(path, WEIGHTS_NAME))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        param = next(target.parameters())
+        return drafter.to(device=param.device, dtype=dtype or param.dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+

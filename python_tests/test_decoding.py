@@ -1,0 +1,221 @@
+"""The generation loop: lossless at T = 0 (equal to HF greedy generate, token for token) and at
+T > 0 (the distribution of generated sequences is the target's), for every method, B = 1 and
+B > 1 with prompts of different lengths; stop tokens, stats and bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
+
+from models import OracleDrafter, greedy_reference, tiny_drafter, tiny_target  # noqa: E402
+
+NEW = 24
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 11, 1)]
+    refs = [greedy_reference(target, p, NEW) for p in prompts]
+    return target, tiny_drafter(target), prompts, refs
+
+
+def check_greedy(decoder, prompts, refs, new=NEW):
+    ids, mask = left_pad(prompts)
+    out = decoder.generate(ids, mask, max_new_tokens=new)
+    width = ids.shape[1]
+    for b, ref in enumerate(refs):
+        got = out.sequences[b, width:width + new]
+        assert got.tolist() == ref[:new].tolist(), f"request {b} differs from greedy generate"
+    assert torch.equal(out.sequences[:, :width], ids)
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_generate_random_drafter(setup, method):
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=8)
+    check_greedy(dec, prompts[:1], refs[:1])   # B = 1
+    out = check_greedy(dec, prompts, refs)      # B = 3, different lengths
+    assert all(r.new_tokens == NEW for r in out.stats.requests)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_greedy_equals_generate_long_accepted_paths(setup, method):
+    """An oracle drafter gets long accepted paths, so compaction moves many entries per round."""
+    target, drafter, prompts, refs = setup
+    oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    dec = SpeculativeDecoder(target, oracle, method, budget=24, width=4, K=8)
+    out = check_greedy(dec, prompts, refs)
+    assert out.stats.tau > 2.0, f"{method}: tau {out.stats.tau} (the oracle should be accepted)"
+    if method in ("ddtree", "dartree", "dartree_fixed", "seq_heap"):
+        chain = check_greedy(SpeculativeDecoder(target, OracleDrafter(
+            drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25), "chain"), prompts, refs)
+        assert out.stats.tau > chain.stats.tau, "a tree should catch second-best tokens a chain misses"
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_other_architectures(kind, seed):
+    target = tiny_target(kind, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (4, 9)]
+    refs = [greedy_reference(target, p, 16) for p in prompts]
+    oracle = OracleDrafter(tiny_drafter(target, seed=seed), [torch.cat([p, r]) for p, r in zip(prompts, refs)])
+    check_greedy(SpeculativeDecoder(target, oracle, "dartree", budget=16, width=4, K=8), prompts, refs, 16)
+
+
+def test_stop_token_inside_accepted_path(setup):
+    target, drafter, prompts, refs = setup
+    ref = refs[1]
+    stop = int(ref[7])
+    first = ref.tolist().index(stop)
+    oracle = OracleDrafter(drafter, [torch.cat([prompts[1], ref])], miss=0.0)
+    dec = SpeculativeDecoder(target, oracle, "dartree", budget=16, width=4, K=8)
+    out = dec.generate(prompts[1][None], max_new_tokens=NEW, stop_token_ids=[stop])
+    gen = out.sequences[0, prompts[1].numel():]
+    assert gen.tolist() == ref[:first + 1].tolist()
+    rs = out.stats.requests[0]
+    assert rs.finish_reason == "stop" and rs.new_tokens == first + 1
+    assert max(rs.accepted) > first - 1 or rs.rounds < first + 1  # it came inside a multi-token round
+
+
+def test_finished_requests_stop_costing_work(setup):
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, "ar")
+    ids, mask = left_pad(prompts[:2])
+    calls = []
+    hook = target.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    try:
+        # request 0 stops at its first generated token; request 1 runs to the end
+        out = dec.generate(ids, mask, max_new_tokens=6, stop_token_ids=[int(refs[0][0])])
+    finally:
+        hook.remove()
+    assert int(refs[0][0]) not in refs[1][:6].tolist(), "pick other prompts: the stop token appears in both"
+    assert calls[1] == 2 and all(c == 1 for c in calls[2:])
+    assert out.sequences[0, ids.shape[1] + 1:].tolist() == [0] * 5
+
+
+def test_stats(setup):
+    target, drafter, prompts, refs = setup
+    oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)])
+    out = check_greedy(SpeculativeDecoder(target, oracle, "dartree", budget=16, width=4, K=8), prompts, refs)
+    st = out.stats
+    hist = st.accept_histogram()
+    assert sum(hist) == st.rounds
+    assert sum(a * c for a, c in enumerate(hist)) + st.rounds == pytest.approx(st.tau * st.rounds)
+    assert all(n <= 16 for n in st.tree_nodes) and len(st.tree_nodes) == st.rounds
+    assert set(st.time) == {"prefill", "draft", "tree", "verify", "bookkeeping"}
+    summary = st.summary()
+    assert summary["new_tokens"] == 3 * NEW and summary["tau"] >= 1.0
+    assert sum(st.nodes_per_depth.values()) == sum(st.tree_nodes)
+
+
+# T > 0 ---------------------------------------------------------------------------------------
+
+def chi2_test(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic with the cells expecting fewer than 5 counts pooled into one, and
+    its rejection threshold at z = 3.5 (false alarms about 2e-4)."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, chi2_quantile(int(keep.sum()) - 1, 3.5)
+
+
+def chi2_quantile(df: int, z: float) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at standard-normal z."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("method,temperature,top_p", [("dartree", 1.0, None), ("ddtree", 0.7, 0.9),
+                                                      ("chain", 1.0, None)])
+def test_sampling_distribution_matches_target(method, temperature, top_p):
+    """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary and compare the
+    64 sequence frequencies with the target's exact probabilities (:func:`chi2_test`). Deterministic (fixed generator)."""
+    from dartree_ext.sampling import _filter_top_p
+    vocab, new, copies = 4, 3, 3000
+    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)   # next-token probabilities from about 0.05 to 0.55
+    drafter = tiny_drafter(target, seed=4, block_size=4)
+    prompt = torch.tensor([1, 2, 3, 0, 2])
+    # exact distribution of the 3 generated tokens
+    seqs = torch.cartesian_prod(*[torch.arange(vocab)] * new)
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = target(full).logits[:, prompt.numel() - 1:-1].float() / temperature
+    if top_p is not None:
+        logits = _filter_top_p(logits, top_p)
+    logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].sum(-1)
+    expected = logp.exp() * copies
+    dec = SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=4)
+    out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
+                       top_p=top_p, generator=torch.Generator().manual_seed(11))
+    gen = out.sequences[:, prompt.numel():]
+    index = (gen * torch.tensor([vocab ** 2, vocab, 1])).sum(1)
+    observed = torch.bincount(index, minlength=vocab ** new).double()
+    support = expected > 0
+    assert observed[~support].sum() == 0, "sampled a sequence top-p excludes"
+    stat, limit = chi2_test(observed[support], expected[support])
+    assert stat < limit, f"chi2 = {stat:.1f}, limit {limit:.1f}"
+    if method != "chain":
+        assert out.stats.tau > 1.2, "the draft trees should be accepted at times, or the test proves little"
+
+
+def test_sampling_test_detects_a_biased_sampler():
+    """The chi-square check above can fail: a sampler at the wrong temperature fails it."""
+    vocab, copies = 4, 3000
+    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    prompt = torch.tensor([1, 2, 3, 0, 2])
+    with torch.no_grad():
+        p = torch.softmax(target(prompt[None]).logits[0, -1].float(), -1)
+    out = SpeculativeDecoder(target, None, "ar").generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=1,
+                                                          temperature=0.6, generator=torch.Generator().manual_seed(1))
+    observed = torch.bincount(out.sequences[:, -1], minlength=vocab).double()
+    stat, limit = chi2_test(observed, p * copies)
+    assert stat > limit
+
+
+# bad input -----------------------------------------------------------------------------------
+
+def test_bad_input(setup):
+    target, drafter, prompts, _ = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(prompts[0][None], max_new_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        dec.generate(torch.zeros(1, 600, dtype=torch.int64), max_new_tokens=4)
+    with pytest.raises(ValueError, match="unknown method"):
+        SpeculativeDecoder(target, drafter, "beam")
+    with pytest.raises(ValueError, match="budget"):
+        SpeculativeDecoder(target, drafter, "dartree", budget=0)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpeculativeDecoder(target, None, "dartree")
+    other = tiny_target("llama", vocab=101)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SpeculativeDecoder(other, tiny_drafter(target), "dartree")
+    with pytest.raises(ValueError, match="token ids"):
+        dec.generate(torch.tensor([[5, 200]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="at least one token"):
+        dec.generate(torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), max_new_tokens=2)

@@ -1,0 +1,113 @@
+"""Drafter models (sizes, persistence, mismatch errors) and the transformers Cache helper."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dartree_ext import reference  # noqa: E402
+from dartree_ext.decoding import compact_cache_, select_requests_  # noqa: E402
+from dartree_ext.models import BlockDrafter, default_target_layers  # noqa: E402
+
+from models import tiny_drafter, tiny_target  # noqa: E402
+
+
+def test_default_target_layers():
+    assert default_target_layers(30) == (1, 15, 29)
+    assert default_target_layers(2) == (1,)
+    assert default_target_layers(1) == (1,)
+    assert all(1 <= i <= 29 for i in default_target_layers(30, 5))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_from_target_shapes(kind):
+    target = tiny_target(kind)
+    drafter = tiny_drafter(target)
+    assert drafter.config.target_model_type == kind
+    # the target's embedding and LM head are used, not owned
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert not any(p.data_ptr() in target_ptrs for p in drafter.parameters())
+    assert drafter.embedding is target.get_input_embeddings()
+    with torch.no_grad():
+        out = target(torch.randint(0, 97, (2, 7)), output_hidden_states=True)
+        ctx = drafter.project_context(drafter.target_features(out.hidden_states))
+        draft = drafter(torch.tensor([3, 4]), torch.tensor([7, 5]), ctx, torch.arange(7)[None].expand(2, -1),
+                        torch.ones(2, 7, dtype=torch.bool))
+    assert draft.hidden.shape == (2, 5, 32) and draft.base_logits.shape == (2, 5, 97)
+    assert ctx.shape == (2, 7, 32)
+
+
+def test_context_mask_hides_slots():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ctx = torch.randn(1, 6, 32)
+    mask = torch.tensor([[True, True, True, False, False, False]])
+    pos = torch.arange(6)[None]
+    with torch.no_grad():
+        a = drafter(torch.tensor([5]), torch.tensor([3]), ctx, pos, mask).base_logits
+        ctx2 = ctx.clone()
+        ctx2[:, 3:] = torch.randn(1, 3, 32)
+        b = drafter(torch.tensor([5]), torch.tensor([3]), ctx2, pos, mask).base_logits
+        c = drafter(torch.tensor([5]), torch.tensor([3]), ctx2, pos, torch.ones(1, 6, dtype=torch.bool)).base_logits
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_save_and_load(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path)
+    loaded = BlockDrafter.from_pretrained(tmp_path, target)
+    assert loaded.config == drafter.config
+    for (n, p), (m, q) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert n == m and torch.equal(p, q)
+    with pytest.raises(ValueError, match="vocab_size"):
+        BlockDrafter.from_pretrained(tmp_path, tiny_target(vocab=101))
+    with pytest.raises(ValueError, match="hidden_size"):
+        BlockDrafter.from_pretrained(tmp_path, tiny_target(hidden=48))
+    with pytest.raises(FileNotFoundError):
+        BlockDrafter.from_pretrained(tmp_path / "nothing", target)
+
+
+def test_correction_head_matches_tree_reference():
+    """The module's teacher-forced corrected logits equal the tree ops' reference head on the
+    same branch (the exported tensors are the module's)."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    head = drafter.export_head()
+    hidden, base = torch.randn(1, 4, 32), torch.randn(1, 4, 97)
+    tokens = torch.tensor([[7, 9, 11, 13]])
+    with torch.no_grad():
+        corrected = drafter.correction_head(hidden, base, tokens, drafter.embedding)
+        z = head.project(hidden)
+        state = torch.zeros(1, 16)
+        for d in range(4):
+            ids = torch.arange(97)[None, None]
+            logq = reference.corrected_logprobs(head, z[:, d], ids[:, 0], base[:, d], state[None])[0, 0]
+            torch.testing.assert_close(logq, torch.log_softmax(corrected[0, d], -1), atol=1e-5, rtol=1e-5)
+            state = reference.gru_update(head, tokens[:, d], state)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_compact_cache(cache_kind):
+    from transformers import DynamicCache, StaticCache
+    target = tiny_target()
+    cache = DynamicCache(config=target.config) if cache_kind == "dynamic" else StaticCache(
+        config=target.config, max_cache_len=16)
+    with torch.no_grad():
+        target(torch.randint(0, 97, (2, 10)), use_cache=True, **{"cache": cache})
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    src = torch.tensor([[4, 6, 9], [3, 8, 8]])
+    dst = torch.tensor([2, 1])
+    lengths = torch.tensor([3, 2], dtype=torch.int32)
+    compact_cache_(cache, src, dst, lengths, new_length=5)
+    for (k0, v0), layer in zip(before, cache.layers):
+        assert layer.keys.shape[2] == (5 if cache_kind == "dynamic" else 16)
+        for b in range(2):
+            for i in range(int(lengths[b])):
+                torch.testing.assert_close(layer.keys[b, :, dst[b] + i], k0[b, :, src[b, i]])
+                torch.testing.assert_close(layer.values[b, :, dst[b] + i], v0[b, :, src[b, i]])
+            torch.testing.assert_close(layer.keys[b, :, :dst[b]], k0[b, :, :dst[b]])
+    select_requests_(cache, torch.tensor([1]))
+    assert all(layer.keys.shape[0] == 1 for layer in cache.layers)
