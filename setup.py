@@ -92,6 +92,7 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "transformers>=5,<6", "safetensors", "tqdm"],
-    entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main"]},
+    entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main",
+                                      "dartree-generate=dartree_ext.cli:generate_main"]},
     zip_safe=False,
 )

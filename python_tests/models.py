@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from dartree_ext.models import BlockDrafter
-from dartree_ext.models.drafter import DraftOutput
 
 
 def tiny_target(kind: str = "llama", vocab: int = 97, hidden: int = 32, layers: int = 3, seed: int = 0,
@@ -43,33 +42,3 @@ def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int) -> torch
     out = target.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
                           max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, prompt.numel():]
-
-
-class OracleDrafter(BlockDrafter):
-    """A drafter that knows the answers: it looks up the root (token, position) in reference
-    sequences and puts its logit mass on what follows. ``miss`` is the chance that a position's
-    right token is only second best (so chains break where trees still catch it). Used to get
-    long accepted paths (the random drafters accept almost nothing); correctness never depends
-    on its quality."""
-
-    def __init__(self, base: BlockDrafter, sequences: list[torch.Tensor], miss: float = 0.3, seed: int = 0) -> None:
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        self._target_modules = base._target_modules
-        self.sequences = [s.tolist() for s in sequences]
-        self.miss, self.gen = miss, torch.Generator().manual_seed(seed)
-
-    def forward(self, root_tokens, root_positions, context, context_positions, context_mask) -> DraftOutput:
-        out = super().forward(root_tokens, root_positions, context, context_positions, context_mask)
-        logits = torch.randn(out.base_logits.shape, generator=self.gen)
-        for row, (tok, pos) in enumerate(zip(root_tokens.tolist(), root_positions.tolist())):
-            seq = next((s for s in self.sequences if pos < len(s) and s[pos] == tok), None)
-            if seq is None:
-                continue
-            for i in range(logits.shape[1]):
-                if pos + 1 + i < len(seq):
-                    right = seq[pos + 1 + i]
-                    logits[row, i, right] = 30.0
-                    if torch.rand((), generator=self.gen) < self.miss:
-                        logits[row, i, (right + 1) % logits.shape[-1]] = 31.0
-        return DraftOutput(hidden=out.hidden, base_logits=logits.to(out.base_logits.dtype))

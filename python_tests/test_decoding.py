@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
 
-from models import OracleDrafter, greedy_reference, tiny_drafter, tiny_target  # noqa: E402
+from dartree_ext.models import LookupDrafter as OracleDrafter  # noqa: E402
+from models import greedy_reference, tiny_drafter, tiny_target  # noqa: E402
 
 NEW = 24
 

@@ -2,6 +2,7 @@
 (GRU causal correction) and :class:`VerificationHead` (VAT)."""
 from .drafter import (BlockDrafter, BlockDrafterConfig, CorrectionHead, DraftOutput, VerificationHead,
                       default_target_layers)
+from .oracle import LookupDrafter
 
-__all__ = ["BlockDrafter", "BlockDrafterConfig", "CorrectionHead", "DraftOutput", "VerificationHead",
+__all__ = ["BlockDrafter", "LookupDrafter", "BlockDrafterConfig", "CorrectionHead", "DraftOutput", "VerificationHead",
            "default_target_layers"]

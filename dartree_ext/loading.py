@@ -1,0 +1,93 @@
+"""Loading targets and drafters by name or path for the CLIs and benchmarks.
+
+``"tiny"`` is a built-in, randomly initialised 4-layer Llama over bytes (vocabulary 256, a byte
+tokenizer): it needs no download, so the commands run anywhere; its text is noise. Any other
+name is a local HuggingFace model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from .models import BlockDrafter
+
+log = logging.getLogger(__name__)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (the ``tiny`` target's tokenizer)."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+
+    def encode(self, text: str, **_) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, **_) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass
+class Loaded:
+    target: torch.nn.Module
+    tokenizer: object
+    name: str
+
+
+def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval().to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
+    """A target model and its tokenizer from ``"tiny"`` or a local HF directory."""
+    if spec == "tiny":
+        return Loaded(tiny_target(dtype=dtype).to(device), ByteTokenizer(), "tiny")
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"target {spec!r} is neither 'tiny' nor a local model directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval().to(device)
+    return Loaded(model, AutoTokenizer.from_pretrained(spec), os.path.basename(os.path.normpath(spec)))
+
+
+def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1) -> BlockDrafter:
+    """A saved drafter (directory) attached to ``target``, or with ``None`` a freshly
+    initialised one (random: expect almost no accepted tokens)."""
+    if spec:
+        return BlockDrafter.from_pretrained(spec, target).eval()
+    log.warning("no drafter given: using a randomly initialised one (its drafts will rarely be accepted)")
+    torch.manual_seed(seed)
+    return BlockDrafter.from_target(target).to(next(target.parameters()).dtype).eval()
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``, wrapped in the tokenizer's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(text, add_special_tokens=True) if not isinstance(tokenizer, ByteTokenizer)
+                else tokenizer.encode(text))
+
+
+def stop_tokens(tokenizer, target) -> list[int]:
+    ids = []
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(target.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    return sorted(set(ids))
