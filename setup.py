@@ -93,6 +93,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "transformers>=5,<6", "safetensors", "tqdm"],
     entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main",
-                                      "dartree-generate=dartree_ext.cli:generate_main"]},
+                                      "dartree-generate=dartree_ext.cli:generate_main",
+                                      "dartree-train=dartree_ext.training.cli:main"]},
     zip_safe=False,
 )

@@ -1,0 +1,121 @@
+"""``dartree-train``: generate (or resume) the target's responses to a prompt set, then train a
+drafter with the VAT loss (or a baseline). Runs on one process, or on N with
+``torchrun --nproc_per_node N -m dartree_ext.training.cli ...`` (or the ``dartree-train``
+script under torchrun): DDP, gloo on CPU, nccl on GPU; rank 0 generates the data and writes
+checkpoints. A killed run continues where it stopped when started again with the same --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+
+import torch
+
+from ..loading import encode_prompt, load_target, stop_tokens
+from ..models import BlockDrafter
+from .data import BlockSampler, generate_responses
+from .trainer import TrainConfig, Trainer, setup_distributed
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain recursion to a child.",
+    "What is the capital of France, and why is it famous?",
+    "Give me three tips for writing clean code.",
+    "Describe the water cycle.",
+    "Write a Python function that reverses a string.",
+    "Why do leaves change colour in autumn?",
+    "Summarise the rules of chess in a paragraph.",
+    "How does a binary search work?",
+    "Write a limerick about a cat.",
+    "What are prime numbers? Give examples.",
+    "Explain what a neural network is.",
+    "List five fruits and their colours.",
+    "How do I boil an egg?",
+    "What causes the seasons on Earth?",
+    "Write a haiku about the sea.",
+]
+
+
+def read_prompts(path: str | None) -> list[str]:
+    if not path:
+        return BUILTIN_PROMPTS
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line)["prompt"] for line in f if line.strip()]
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dartree-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="tiny", help="'tiny' or a local HF model directory")
+    p.add_argument("--prompts", default=None, help="prompts file (.txt one per line, or .jsonl with 'prompt')")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--data", default=None, help="response cache (JSON lines); default OUT/data.jsonl")
+    p.add_argument("--out", required=True, help="output directory (checkpoint, log, drafter/)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating data")
+    p.add_argument("--gen-batch", type=int, default=8)
+    p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--init", default=None, help="start from this drafter directory instead of a fresh one")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=1)
+    p.add_argument("--head-state", type=int, default=128)
+    p.add_argument("--head-proj", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("out_dir", "progress"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, type=kind, default=f.default)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed)
+    loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=str(device))
+    target, tok = loaded.target, loaded.tokenizer
+    texts = read_prompts(args.prompts)[:args.num_prompts]
+    prompts = [(f"p{i}", encode_prompt(tok, t, chat=not args.no_chat)) for i, t in enumerate(texts)]
+    data_path = args.data or os.path.join(args.out, "data.jsonl")
+    if rank == 0:
+        records = generate_responses(target, prompts, data_path, max_new_tokens=args.max_new_tokens,
+                                     batch_size=args.gen_batch, stop_token_ids=stop_tokens(tok, target))
+    if world > 1:
+        torch.distributed.barrier()
+    if rank != 0:
+        records = generate_responses(target, prompts, data_path, progress=False)  # reads the cache
+    if args.init:
+        drafter = BlockDrafter.from_pretrained(args.init, target, dtype=torch.float32)
+    else:
+        torch.manual_seed(args.seed)
+        drafter = BlockDrafter.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers,
+                                           head_state_size=args.head_state, head_proj_size=args.head_proj)
+    drafter = drafter.to(device=device, dtype=torch.float32).train()
+    cfg = TrainConfig(out_dir=args.out, progress=True, **{f.name: getattr(args, f.name)
+                                                         for f in dataclasses.fields(TrainConfig)
+                                                         if f.name not in ("out_dir", "progress")})
+    sampler = BlockSampler(records, drafter.config.block_size, cfg.batch_size, cfg.blocks_per_sequence,
+                           cfg.max_length, cfg.seed)
+    if rank == 0:
+        log.info("%d sequences, %d steps per epoch; drafter %.2fM parameters; %d process(es)", len(sampler.seqs),
+                 sampler.steps_per_epoch, drafter.num_parameters() / 1e6, world)
+    history = Trainer(target, drafter, sampler, cfg, rank, world).train()
+    if rank == 0 and history:
+        last = history[-1]
+        log.info("done: step %d loss %.4f mean k* %.2f; drafter saved to %s", last["step"], last["loss"],
+                 last["mean_k_star"], os.path.join(args.out, "drafter"))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

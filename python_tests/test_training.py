@@ -1,0 +1,152 @@
+"""The drafter training loop: schedule, data (resumable generation, deterministic anchors),
+resume from a checkpoint, and DDP (2 CPU processes, gloo) = one process on the global batch."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dartree_ext.training import (BlockSampler, TrainConfig, Trainer, generate_responses, lr_at,  # noqa: E402
+                                  read_records, setup_distributed)
+
+from models import tiny_drafter, tiny_target  # noqa: E402
+
+
+def synthetic_records(n: int = 8, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"id": f"r{i}", "prompt": torch.randint(1, 97, (int(torch.randint(3, 8, (), generator=gen)),),
+                                                    generator=gen).tolist(),
+             "response": torch.randint(1, 97, (int(torch.randint(10, 30, (), generator=gen)),), generator=gen).tolist()}
+            for i in range(n)]
+
+
+def make_trainer(out_dir, steps=4, rank=0, world=1, records=None, **cfg):
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=5).train()
+    defaults = dict(out_dir=str(out_dir), steps=steps, batch_size=4, blocks_per_sequence=3, warmup_steps=2,
+                    checkpoint_every=2, log_every=1, progress=False)
+    defaults.update(cfg)
+    config = TrainConfig(**defaults)
+    sampler = BlockSampler(records or synthetic_records(), drafter.config.block_size, config.batch_size,
+                           config.blocks_per_sequence, seed=1)
+    return Trainer(target, drafter, sampler, config, rank, world)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(out_dir="x", steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_sampler_deterministic_and_split_by_rank():
+    sampler = BlockSampler(synthetic_records(), block_size=6, batch_size=4, blocks_per_sequence=3, seed=2)
+    full = sampler.batch(5)
+    again = sampler.batch(5)
+    assert torch.equal(full.anchors, again.anchors) and torch.equal(full.sequences, again.sequences)
+    parts = [sampler.batch(5, rank, 2) for rank in range(2)]
+    for rank, part in enumerate(parts):
+        assert torch.equal(part.anchors, full.anchors[rank::2])
+        assert torch.equal(part.lengths, full.lengths[rank::2])
+    # anchors: from the last prompt token to the second-to-last token
+    for row in range(4):
+        assert int(full.anchors[row].max()) <= int(full.lengths[row]) - 2
+    with pytest.raises(ValueError, match="divisible"):
+        sampler.batch(0, 0, 3)
+
+
+def test_generate_responses_resumes(tmp_path):
+    target = tiny_target()
+    prompts = [(f"p{i}", torch.randint(1, 97, (4 + i,)).tolist()) for i in range(3)]
+    path = str(tmp_path / "data.jsonl")
+    first = generate_responses(target, prompts[:1], path, max_new_tokens=5, progress=False)
+    with open(path, "a") as f:
+        f.write('{"id": "p1", "prompt": [1, 2')     # a torn write from a killed run
+    records = generate_responses(target, prompts, path, max_new_tokens=5, batch_size=2, progress=False)
+    assert [r["id"] for r in records] == ["p0", "p1", "p2"]
+    assert records[0] == first[0]
+    assert all(len(r["response"]) == 5 for r in records)
+    assert len(read_records(path)) == 3
+    # the cache is the target's greedy continuation
+    ids = torch.tensor(prompts[2][1])[None]
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)[0, ids.shape[1]:]
+    assert records[2]["response"] == ref.tolist()
+
+
+def test_training_resumes_exactly(tmp_path):
+    whole = make_trainer(tmp_path / "a", steps=4)
+    whole.train()
+    part = make_trainer(tmp_path / "b", steps=2)
+    part.train()
+    resumed = make_trainer(tmp_path / "b", steps=4)
+    assert resumed.maybe_resume() and resumed.step == 2
+    resumed.train()
+    for (n, p), (_, q) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        torch.testing.assert_close(p, q, msg=n)
+    log = [json.loads(line) for line in open(tmp_path / "a" / "train_log.jsonl")]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert {"loss", "mean_k_star", "accept_rate"} <= set(log[0])
+    assert os.path.exists(tmp_path / "a" / "drafter" / "model.safetensors")
+
+
+def test_training_learns_the_targets_responses(tmp_path):
+    """On the target's own greedy responses (what the drafter is for), training with the fixed
+    DFlash weights lowers the loss and raises the simulated acceptance."""
+    target = tiny_target()
+    prompts = [(f"p{i}", torch.randint(1, 97, (5,), generator=torch.Generator().manual_seed(i)).tolist())
+               for i in range(8)]
+    records = generate_responses(target, prompts, str(tmp_path / "data.jsonl"), max_new_tokens=24, progress=False)
+    trainer = make_trainer(tmp_path, steps=60, lr=3e-3, warmup_steps=1, checkpoint_every=100, records=records,
+                           loss="dflash")
+    history = trainer.train()
+    first, last = history[:4], history[-8:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(last, "loss") < 0.85 * mean(first, "loss")
+    assert mean(last, "accept_rate") > mean(first, "accept_rate") + 0.1
+
+
+def test_all_schedules_train(tmp_path):
+    for loss in ("dflash", "prefix_only", "hard_cutoff", "unshifted"):
+        rec = make_trainer(tmp_path / loss, steps=1, loss=loss).train()[-1]
+        assert rec["loss"] == rec["loss"] and rec["loss"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grads(trainer) -> dict:
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.compute_loss(0)["loss"].backward()
+    return {n: p.grad.detach().clone() for n, p in trainer.drafter.named_parameters() if p.grad is not None}
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    got_rank, got_world, _ = setup_distributed()
+    assert (got_rank, got_world) == (rank, world)
+    grads = _grads(make_trainer(out_dir, rank=rank, world=world))
+    if rank == 0:
+        torch.save(grads, os.path.join(out_dir, "ddp_grads.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_gradients_equal_single_process(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ddp = torch.load(tmp_path / "ddp_grads.pt")
+    single = _grads(make_trainer(tmp_path / "single"))
+    assert set(ddp) == set(single) and len(single) > 10
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=1e-4, msg=name)
