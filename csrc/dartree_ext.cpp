@@ -52,6 +52,16 @@ TORCH_LIBRARY(dartree_ext, m) {
       "build_supertree(Tensor z, Tensor cand_ids, Tensor cand_base, Tensor root_state, Tensor w_s, "
       "Tensor fc2_weight, Tensor? fc2_bias, Tensor gru_table, Tensor w_hh, Tensor? b_hh, int[] widths, "
       "float depth_bonus) -> (Tensor tokens, Tensor parents, Tensor depths, Tensor scores)");
+  // vat area (training loss; dartree_ext/vat.py composes these)
+  m.def(
+      "vat_row_forward(Tensor draft_logits, Tensor target_logits, Tensor target_tokens, Tensor? uniforms, "
+      "float temperature) -> (Tensor ce_soft, Tensor ce_hard, Tensor accept, Tensor draft_lse, Tensor target_lse)");
+  m.def(
+      "vat_row_backward(Tensor g_q, Tensor g_p, Tensor g_y, Tensor draft_logits, Tensor target_logits, "
+      "Tensor target_tokens, Tensor draft_lse, Tensor target_lse) -> Tensor");
+  m.def(
+      "vat_block_weights(Tensor accept, Tensor valid, int schedule, float decay_gamma) -> "
+      "(Tensor first_reject, Tensor weights)");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

@@ -17,6 +17,7 @@ from ._C import build_info
 from .ops import (ddtree_heap, select_top_b, select_top_w, tree_ancestor_bits, tree_attention_mask, tree_links,
                   verify_tree)
 from .sampling import target_tokens_from_logits
+from .vat import VATLossOutput, vat_loss, vat_loss_linear
 
 __all__ = [
     "build_info",
@@ -28,5 +29,8 @@ __all__ = [
     "tree_attention_mask",
     "tree_links",
     "verify_tree",
+    "VATLossOutput",
+    "vat_loss",
+    "vat_loss_linear",
 ]
 __version__ = "0.1.0"

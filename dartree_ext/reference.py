@@ -306,3 +306,76 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
             rows = cache[b, :, src_positions[b, :n]].clone()
             start = int(dst_start[b])
             cache[b, :, start:start + n] = rows
+
+
+def vat_block_weights(accept: torch.Tensor, valid: torch.Tensor, schedule: str = "vat",
+                      decay_gamma: float = 7.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """First rejection ``k*`` (1-based, K + 1 if none; invalid positions never reject) and the CE
+    weights of ``schedule`` (float32, 0 at invalid positions); see :mod:`dartree_ext.vat`."""
+    m, k = accept.shape
+    rejected = valid & (accept == 0)
+    first = torch.where(rejected.any(1), rejected.to(torch.int64).argmax(1) + 1, torch.full_like(rejected[:, 0], k + 1,
+                                                                                                   dtype=torch.int64))
+    position = torch.arange(1, k + 1, device=accept.device, dtype=torch.float64)[None, :]
+    k_star = first[:, None].to(torch.float64)
+    before = position < k_star
+    decay_shifted = torch.exp(-(position - k_star) / decay_gamma)
+    decay_plain = torch.exp(-(position - 1) / decay_gamma).expand(m, k)
+    ones, zeros = torch.ones_like(decay_shifted), torch.zeros_like(decay_shifted)
+    weights = {
+        "vat": torch.where(before, ones, decay_shifted),
+        "dflash": decay_plain,
+        "prefix_only": torch.where(before, ones, zeros),
+        "hard_cutoff": torch.where(position <= k_star, ones, zeros),
+        "unshifted": torch.where(before, ones, decay_plain),
+    }[schedule]
+    return first.to(torch.int32), torch.where(valid, weights, zeros).to(torch.float32)
+
+
+def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
+             vh_logits, valid: torch.Tensor, *, rule: str = "greedy", temperature: float = 1.0,
+             schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0, generator=None):
+    """The VAT loss with materialized softmaxes, autograd through PyTorch (same signature, same
+    uniforms from ``generator``, same outputs as :func:`dartree_ext.vat.vat_loss`)."""
+    from .vat import VATLossOutput, draw_uniforms
+
+    m, k, vocab = draft_logits.shape
+    stat = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
+    # invalid positions may hold anything (NaN included): zero them so they add no NaN gradient
+    keep = valid[..., None]
+    d = torch.where(keep, draft_logits.to(stat), 0.0)
+    t = torch.where(keep, target_logits.detach().to(stat), 0.0)
+    log_q = torch.log_softmax(d, -1)
+    p = torch.softmax(t, -1)
+    ce_soft = -torch.where(p > 0, p * log_q, 0.0).sum(-1)
+    in_vocab = (target_tokens >= 0) & (target_tokens < vocab)
+    picked = log_q.gather(-1, target_tokens.clamp(0, vocab - 1)[..., None])[..., 0]
+    ce_hard = torch.where(in_vocab, -picked, torch.full_like(picked, float("nan")))
+    if rule == "greedy":
+        accept = d.argmax(-1) == t.argmax(-1)
+    else:
+        u = draw_uniforms(rule, m * k, draft_logits.device, generator).view(m, k, 2).double()
+        dq, tp = d.detach().double() / temperature, t.double() / temperature
+        q_t = torch.softmax(dq, -1)
+        p_t = torch.softmax(tp, -1)
+        cdf = torch.cumsum(torch.exp(dq - dq.max(-1, keepdim=True).values), -1)
+        goal = u[..., 0:1] * cdf[..., -1:]
+        chosen = torch.searchsorted(cdf, goal, right=True)[..., 0]
+        chosen = torch.where(chosen < vocab, chosen, dq.argmax(-1))
+        q_x = q_t.gather(-1, chosen[..., None])[..., 0]
+        p_x = p_t.gather(-1, chosen[..., None])[..., 0]
+        accept = u[..., 1] * q_x < p_x
+    accept = accept.to(torch.float32)
+    first_reject, weights = vat_block_weights(accept, valid, schedule, decay_gamma)
+    per_position = weights.to(stat) * (ce_hard if schedule == "dflash" else ce_soft + ce_hard)
+    zero = 0.0
+    ce_loss = torch.where(valid, per_position, zero).sum() / valid.any(1).sum().clamp(min=1)
+    if vh_logits is None:
+        vh_loss = torch.zeros((), dtype=stat, device=valid.device)
+    else:
+        verified = (torch.arange(1, k + 1, device=valid.device)[None, :] < first_reject[:, None]).to(stat)
+        x = torch.where(valid, vh_logits.to(stat), zero)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(x, verified, reduction="none")
+        vh_loss = torch.where(valid, bce, zero).sum() / valid.sum().clamp(min=1)
+    loss = ce_loss + vh_weight * vh_loss
+    return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)

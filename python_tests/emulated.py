@@ -37,6 +37,9 @@ _SIGNATURES = {
     "emu_expand_depth": [_P, _P, _P, _P],
     "emu_compact_kv": [_P, _I, _I, _I, ctypes.c_int64, _I, _P, _P, _P, _I],
     "emu_build_supertree": [_P, _P],
+    "emu_vat_row_forward": [_I, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, _P, _P, _P, _P, _P],
+    "emu_vat_row_backward": [_I, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P],
+    "emu_vat_block_weights": [_P, _P, ctypes.c_int64, _I, _I, ctypes.c_double, _P, _P],
 }
 
 
@@ -175,6 +178,42 @@ class EmulatedOps:
             self.call("emu_compact_kv", _ptr(cache), cache.element_size(), batch, heads, seq, dim,
                       _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
 
+    # vat area: the raw kernels (EmulatedVatKernels), composed by dartree_ext.vat like the real ops
+    def vat_row_forward(self, draft, target, tokens, uniforms, temperature):
+        rows = draft.shape[0]
+        stat = torch.float64 if draft.dtype == torch.float64 else torch.float32
+        ce_soft, ce_hard, draft_lse, target_lse = (torch.empty(rows, dtype=stat) for _ in range(4))
+        accept = torch.empty(rows, dtype=torch.float32)
+        self.call("emu_vat_row_forward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+                  None if uniforms is None else _ptr(uniforms), rows, draft.shape[1], temperature, _ptr(ce_soft),
+                  _ptr(ce_hard), _ptr(draft_lse), _ptr(target_lse), _ptr(accept))
+        return ce_soft, ce_hard, accept, draft_lse, target_lse
+
+    def vat_row_backward(self, g_q, g_p, g_y, draft, target, tokens, draft_lse, target_lse):
+        grad = torch.empty_like(draft)
+        self.call("emu_vat_row_backward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+                  _ptr(draft_lse), _ptr(target_lse), _ptr(g_q), _ptr(g_p), _ptr(g_y), draft.shape[0], draft.shape[1],
+                  _ptr(grad))
+        return grad
+
+    def vat_block_weights(self, accept, valid, schedule, decay_gamma):
+        blocks, k = accept.shape
+        first_reject = torch.empty(blocks, dtype=torch.int32)
+        weights = torch.empty(blocks, k, dtype=torch.float32)
+        self.call("emu_vat_block_weights", _ptr(accept), _ptr(valid), blocks, k, schedule, decay_gamma,
+                  _ptr(first_reject), _ptr(weights))
+        return first_reject, weights
+
+    def vat_loss(self, *args, **kwargs):
+        from dartree_ext import vat
+        kwargs = {**_VAT_DEFAULTS, **kwargs}
+        return vat._vat_loss(EmulatedVatKernels(self), *args, **kwargs)
+
+    def vat_loss_linear(self, *args, **kwargs):
+        from dartree_ext import vat
+        kwargs = {**_VAT_DEFAULTS, "chunk_size": None, **kwargs}
+        return vat._vat_loss_linear(EmulatedVatKernels(self), *args, **kwargs)
+
     # expand area: the launchers take structs; these mirrors must match csrc/kernels/launchers.h
     def expand_depth(self, head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
                      depth_bonus=-0.2):
@@ -223,6 +262,25 @@ class EmulatedOps:
                              tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), scores.data_ptr())
         self.call("emu_build_supertree", ctypes.addressof(head), ctypes.addressof(args))
         return tokens, parents, depths, scores
+
+
+_VAT_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_VAT_DEFAULTS = dict(rule="greedy", temperature=1.0, schedule="vat", decay_gamma=7.0, vh_weight=1.0, generator=None,
+                     check_finite=True)
+
+
+class EmulatedVatKernels:
+    """The ``kernels`` object dartree_ext.vat composes, on the emulated CUDA kernels (CPU tensors);
+    autograd of the row kernel through dartree_ext.vat.RowForwardFunction."""
+
+    def __init__(self, emu: "EmulatedOps") -> None:
+        self.row_forward = emu.vat_row_forward
+        self.row_backward = emu.vat_row_backward
+        self.block_weights = emu.vat_block_weights
+
+    def row_forward_differentiable(self, draft, target, tokens, uniforms, temperature):
+        from dartree_ext.vat import RowForwardFunction
+        return RowForwardFunction.apply(self, draft, target, tokens, uniforms, temperature)
 
 
 _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

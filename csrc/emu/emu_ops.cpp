@@ -10,6 +10,7 @@
 #include "../kernels/kv.cuh"
 #include "../kernels/select.cuh"
 #include "../kernels/tree_mask.cuh"
+#include "../kernels/vat.cuh"
 #include "../kernels/verify.cuh"
 
 namespace {
@@ -177,6 +178,35 @@ int emu_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t
   return guarded([&] {
     dartree::kernels::launch_compact_kv(cache, element_bytes, batch, heads, seq, dim, src_positions, dst_start,
                                         lengths, l_max, nullptr);
+  });
+}
+
+int emu_vat_row_forward(int dtype, const void* draft, const void* target, const int64_t* tokens,
+                        const float* uniforms, int64_t rows, int64_t vocab, double temperature, void* ce_soft,
+                        void* ce_hard, void* draft_lse, void* target_lse, float* accept) {
+  return guarded([&] {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
+    dartree::kernels::launch_vat_row_forward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+                                             uniforms, rows, vocab, temperature, ce_soft, ce_hard, draft_lse,
+                                             target_lse, accept, nullptr);
+  });
+}
+
+int emu_vat_row_backward(int dtype, const void* draft, const void* target, const int64_t* tokens,
+                         const void* draft_lse, const void* target_lse, const void* g_q, const void* g_p,
+                         const void* g_y, int64_t rows, int64_t vocab, void* grad_draft) {
+  return guarded([&] {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
+    dartree::kernels::launch_vat_row_backward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+                                              draft_lse, target_lse, g_q, g_p, g_y, rows, vocab, grad_draft, nullptr);
+  });
+}
+
+int emu_vat_block_weights(const float* accept, const uint8_t* valid, int64_t blocks, int k, int schedule,
+                          double decay_gamma, int32_t* first_reject, float* weights) {
+  return guarded([&] {
+    dartree::kernels::launch_vat_block_weights(accept, valid, blocks, k, schedule, decay_gamma, first_reject,
+                                               weights, nullptr);
   });
 }
 

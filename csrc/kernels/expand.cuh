@@ -12,49 +12,12 @@
 #pragma once
 
 #include "block_ops.cuh"
+#include "elem.cuh"
 
 namespace dartree {
 namespace kernels {
 
 constexpr int kExpandThreads = 256;
-
-// Raw 16-bit storage types, so no half/bfloat16 headers are needed here.
-struct Bf16 {
-  uint16_t bits;
-};
-struct Fp16 {
-  uint16_t bits;
-};
-
-DARTREE_HOST_DEVICE float to_float(float v) { return v; }
-DARTREE_HOST_DEVICE float to_float(Bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-DARTREE_HOST_DEVICE float to_float(Fp16 v) {
-  const uint32_t sign = (v.bits & 0x8000u) << 16, exponent = (v.bits >> 10) & 0x1fu, mantissa = v.bits & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    int shift = 0;
-    uint32_t m = mantissa;
-    while ((m & 0x400u) == 0) {
-      m <<= 1;
-      ++shift;
-    }
-    bits = sign | ((113 - shift) << 23) | ((m & 0x3ffu) << 13);
-  }
-  float f;
-  memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 DARTREE_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

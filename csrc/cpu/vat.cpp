@@ -1,0 +1,211 @@
+// CPU kernels of the VAT loss (see csrc/kernels/vat_launchers.h for the contract, shared with the
+// CUDA kernels): per-row soft / hard cross-entropies, logsumexps and acceptance; the row gradient;
+// per-block first rejection and loss weights. Rows run in parallel; each row is two passes (max,
+// then sums of exp) with float32 exp for 16/32-bit logits and double accumulators.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "../vat_utils.h"
+
+namespace dartree {
+namespace {
+
+template <typename T>
+inline T exp_of(T x) {
+  return std::exp(x);
+}
+
+template <typename scalar_t, bool kSample, bool kScaled>
+void row_forward(const scalar_t* d, const scalar_t* t, int64_t y, const float* u, int64_t vocab, double inv_temp,
+                 double* out /* soft, hard, lse_d, lse_t */, float* accept) {
+  using acc_t = at::opmath_type<scalar_t>;  // float, or double for double
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  acc_t max_d = kNegInf, max_t = kNegInf;
+  int64_t arg_d = 0, arg_t = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
+    if (dv > max_d) max_d = dv, arg_d = i;
+    if (tv > max_t) max_t = tv, arg_t = i;
+  }
+  const acc_t it = static_cast<acc_t>(inv_temp);
+  const acc_t max_dt = max_d * it, max_tt = max_t * it;
+  double sum_d = 0, sum_t = 0, dot = 0, sum_dt = 0, sum_tt = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
+    if (dv != kNegInf) sum_d += exp_of<acc_t>(dv - max_d);
+    if (tv != kNegInf) {
+      const acc_t e = exp_of<acc_t>(tv - max_t);
+      sum_t += e;
+      if (e != acc_t(0)) dot += static_cast<double>(e) * dv;
+    }
+    if (kScaled) {
+      if (dv != kNegInf) sum_dt += exp_of<acc_t>(dv * it - max_dt);
+      if (tv != kNegInf) sum_tt += exp_of<acc_t>(tv * it - max_tt);
+    }
+  }
+  if (!kScaled) sum_dt = sum_d, sum_tt = sum_t;
+  float accepted = arg_d == arg_t ? 1.0f : 0.0f;
+  if (kSample) {
+    const acc_t scale = kScaled ? it : acc_t(1);
+    const acc_t mdq = kScaled ? max_dt : max_d, mtp = kScaled ? max_tt : max_t;
+    const double goal = static_cast<double>(u[0]) * sum_dt;
+    double cdf = 0;
+    int64_t chosen = -1;
+    for (int64_t i = 0; i < vocab && chosen < 0; ++i) {
+      const acc_t x = static_cast<acc_t>(d[i]) * scale;
+      const acc_t e = x == kNegInf ? acc_t(0) : exp_of<acc_t>(x - mdq);
+      cdf += e;
+      if (e > acc_t(0) && cdf > goal) chosen = i;
+    }
+    if (chosen < 0) chosen = arg_d;  // the goal fell past the summed total by rounding
+    const double q = exp_of<acc_t>(static_cast<acc_t>(d[chosen]) * scale - mdq) / sum_dt;
+    const double p = exp_of<acc_t>(static_cast<acc_t>(t[chosen]) * scale - mtp) / sum_tt;
+    accepted = static_cast<double>(u[1]) * q < p ? 1.0f : 0.0f;
+  }
+  const double lse_d = max_d + std::log(sum_d), lse_t = max_t + std::log(sum_t);
+  out[0] = lse_d - dot / sum_t;
+  out[1] = (y >= 0 && y < vocab) ? lse_d - static_cast<double>(static_cast<acc_t>(d[y]))
+                                 : std::numeric_limits<double>::quiet_NaN();
+  out[2] = lse_d;
+  out[3] = lse_t;
+  *accept = accepted;
+}
+
+int64_t row_grain(int64_t vocab) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1)); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> vat_row_forward_cpu(
+    const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens, const std::optional<at::Tensor>& uniforms,
+    double temperature) {
+  check_vat_row_forward_inputs(draft, target, tokens, uniforms, temperature);
+  const int64_t rows = draft.size(0), vocab = draft.size(1);
+  const auto stat = draft.options().dtype(vat_stat_dtype(draft.scalar_type()));
+  at::Tensor ce_soft = at::empty({rows}, stat), ce_hard = at::empty({rows}, stat);
+  at::Tensor draft_lse = at::empty({rows}, stat), target_lse = at::empty({rows}, stat);
+  at::Tensor accept = at::empty({rows}, draft.options().dtype(at::kFloat));
+  const bool sample = uniforms.has_value(), scaled = sample && temperature != 1.0;
+  const float* u = sample ? uniforms->data_ptr<float>() : nullptr;
+  const int64_t* y = tokens.data_ptr<int64_t>();
+  float* acc_out = accept.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, draft.scalar_type(), "vat_row_forward", [&] {
+    using stat_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* d = draft.data_ptr<scalar_t>();
+    const scalar_t* t = target.data_ptr<scalar_t>();
+    stat_t* outs[4] = {ce_soft.data_ptr<stat_t>(), ce_hard.data_ptr<stat_t>(), draft_lse.data_ptr<stat_t>(),
+                       target_lse.data_ptr<stat_t>()};
+    const double inv_temp = sample ? 1.0 / temperature : 1.0;
+    at::parallel_for(0, rows, row_grain(vocab), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        double out[4];
+        const scalar_t* dr = d + r * vocab;
+        const scalar_t* tr = t + r * vocab;
+        const float* ur = sample ? u + 2 * r : nullptr;
+        if (!sample) {
+          row_forward<scalar_t, false, false>(dr, tr, y[r], ur, vocab, inv_temp, out, acc_out + r);
+        } else if (!scaled) {
+          row_forward<scalar_t, true, false>(dr, tr, y[r], ur, vocab, inv_temp, out, acc_out + r);
+        } else {
+          row_forward<scalar_t, true, true>(dr, tr, y[r], ur, vocab, inv_temp, out, acc_out + r);
+        }
+        for (int j = 0; j < 4; ++j) outs[j][r] = static_cast<stat_t>(out[j]);
+      }
+    });
+  });
+  return {ce_soft, ce_hard, accept, draft_lse, target_lse};
+}
+
+at::Tensor vat_row_backward_cpu(const at::Tensor& g_q, const at::Tensor& g_p, const at::Tensor& g_y,
+                                const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens,
+                                const at::Tensor& draft_lse, const at::Tensor& target_lse) {
+  check_vat_row_backward_inputs(g_q, g_p, g_y, draft, target, tokens, draft_lse, target_lse);
+  const int64_t rows = draft.size(0), vocab = draft.size(1);
+  at::Tensor grad = at::empty_like(draft);
+  const int64_t* y = tokens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, draft.scalar_type(), "vat_row_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* d = draft.data_ptr<scalar_t>();
+    const scalar_t* t = target.data_ptr<scalar_t>();
+    scalar_t* out = grad.data_ptr<scalar_t>();
+    const acc_t* cq = g_q.data_ptr<acc_t>();
+    const acc_t* cp = g_p.data_ptr<acc_t>();
+    const acc_t* cy = g_y.data_ptr<acc_t>();
+    const acc_t* lse_d = draft_lse.data_ptr<acc_t>();
+    const acc_t* lse_t = target_lse.data_ptr<acc_t>();
+    at::parallel_for(0, rows, row_grain(vocab), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* o = out + r * vocab;
+        const acc_t a = cq[r], b = cp[r], c = cy[r];
+        if (a == acc_t(0) && b == acc_t(0) && c == acc_t(0)) {
+          for (int64_t i = 0; i < vocab; ++i) o[i] = scalar_t(0);
+          continue;
+        }
+        const scalar_t* dr = d + r * vocab;
+        const scalar_t* tr = t + r * vocab;
+        const acc_t ld = lse_d[r], lt = lse_t[r];
+        if (b != acc_t(0)) {
+          for (int64_t i = 0; i < vocab; ++i)
+            o[i] = static_cast<scalar_t>(a * exp_of<acc_t>(static_cast<acc_t>(dr[i]) - ld) -
+                                         b * exp_of<acc_t>(static_cast<acc_t>(tr[i]) - lt));
+        } else {
+          for (int64_t i = 0; i < vocab; ++i) o[i] = static_cast<scalar_t>(a * exp_of<acc_t>(static_cast<acc_t>(dr[i]) - ld));
+        }
+        if (y[r] >= 0 && y[r] < vocab) {
+          const int64_t i = y[r];
+          acc_t g = a * exp_of<acc_t>(static_cast<acc_t>(dr[i]) - ld) - c;
+          if (b != acc_t(0)) g -= b * exp_of<acc_t>(static_cast<acc_t>(tr[i]) - lt);
+          o[i] = static_cast<scalar_t>(g);
+        }
+      }
+    });
+  });
+  return grad;
+}
+
+float block_weight(int64_t schedule, int64_t k, int64_t k_star, double gamma) {
+  const float g = static_cast<float>(gamma);
+  switch (static_cast<kernels::VatSchedule>(schedule)) {
+    case kernels::VatSchedule::kVat: return k < k_star ? 1.0f : std::exp(-static_cast<float>(k - k_star) / g);
+    case kernels::VatSchedule::kDflash: return std::exp(-static_cast<float>(k - 1) / g);
+    case kernels::VatSchedule::kPrefixOnly: return k < k_star ? 1.0f : 0.0f;
+    case kernels::VatSchedule::kHardCutoff: return k <= k_star ? 1.0f : 0.0f;
+    default: return k < k_star ? 1.0f : std::exp(-static_cast<float>(k - 1) / g);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> vat_block_weights_cpu(const at::Tensor& accept, const at::Tensor& valid,
+                                                         int64_t schedule, double decay_gamma) {
+  check_vat_block_weights_inputs(accept, valid, schedule, decay_gamma);
+  const int64_t blocks = accept.size(0), k = accept.size(1);
+  at::Tensor first_reject = at::empty({blocks}, accept.options().dtype(at::kInt));
+  at::Tensor weights = at::empty({blocks, k}, accept.options());
+  const float* acc = accept.data_ptr<float>();
+  const bool* ok = valid.data_ptr<bool>();
+  int32_t* fr = first_reject.data_ptr<int32_t>();
+  float* w = weights.data_ptr<float>();
+  for (int64_t m = 0; m < blocks; ++m) {
+    int64_t k_star = k + 1;
+    for (int64_t j = 0; j < k; ++j) {
+      if (ok[m * k + j] && acc[m * k + j] == 0.0f) {
+        k_star = j + 1;
+        break;
+      }
+    }
+    fr[m] = static_cast<int32_t>(k_star);
+    for (int64_t j = 0; j < k; ++j) w[m * k + j] = ok[m * k + j] ? block_weight(schedule, j + 1, k_star, decay_gamma) : 0.0f;
+  }
+  return {first_reject, weights};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
+  m.impl("vat_row_forward", &vat_row_forward_cpu);
+  m.impl("vat_row_backward", &vat_row_backward_cpu);
+  m.impl("vat_block_weights", &vat_block_weights_cpu);
+}
+
+}  // namespace dartree

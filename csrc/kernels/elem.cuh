@@ -1,0 +1,103 @@
+// Element types of the kernels' tensors: float32, float64 and raw 16-bit bfloat16 / float16
+// storage (no half/bfloat16 headers, so the same code runs under the CPU emulation), with
+// conversions to float (exact) and from float (round to nearest even, as torch's .to() does).
+#pragma once
+
+#include "common.cuh"
+
+namespace dartree {
+namespace kernels {
+
+// Raw 16-bit storage types, so no half/bfloat16 headers are needed here.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Fp16 {
+  uint16_t bits;
+};
+
+DARTREE_HOST_DEVICE float to_float(float v) { return v; }
+DARTREE_HOST_DEVICE float to_float(Bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+DARTREE_HOST_DEVICE float to_float(Fp16 v) {
+  const uint32_t sign = (v.bits & 0x8000u) << 16, exponent = (v.bits >> 10) & 0x1fu, mantissa = v.bits & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int shift = 0;
+    uint32_t m = mantissa;
+    while ((m & 0x400u) == 0) {
+      m <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+DARTREE_HOST_DEVICE double to_float(double v) { return v; }  // float64 stays float64
+
+DARTREE_HOST_DEVICE uint32_t float_bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+// float -> element type, round to nearest even (torch's conversion; NaN stays a quiet NaN).
+template <typename Elem>
+struct FromFloat;
+template <>
+struct FromFloat<float> {
+  DARTREE_HOST_DEVICE static float convert(float v) { return v; }
+};
+template <>
+struct FromFloat<double> {
+  DARTREE_HOST_DEVICE static double convert(double v) { return v; }
+};
+template <>
+struct FromFloat<Bf16> {
+  DARTREE_HOST_DEVICE static Bf16 convert(float v) {
+    uint32_t x = float_bits(v);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((x >> 16) | 0x40u)};
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return Bf16{static_cast<uint16_t>(x >> 16)};
+  }
+};
+template <>
+struct FromFloat<Fp16> {
+  DARTREE_HOST_DEVICE static Fp16 convert(float v) {
+    uint32_t x = float_bits(v);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return Fp16{static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u))};
+    if (x >= 0x477ff000u) return Fp16{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520 rounds to inf
+    if (x < 0x38800000u) {  // below 2^-14: a subnormal (units of 2^-24) or zero
+      if (x < 0x33000000u) return Fp16{static_cast<uint16_t>(sign)};  // below 2^-25 rounds to 0
+      const uint32_t exponent = x >> 23, mantissa = (x & 0x7fffffu) | 0x800000u;
+      const uint32_t shift = 126u - exponent;  // 14..24
+      uint32_t r = mantissa >> shift;
+      const uint32_t rest = mantissa & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+      if (rest > half || (rest == half && (r & 1u))) ++r;
+      return Fp16{static_cast<uint16_t>(sign | r)};
+    }
+    const uint32_t rebiased = x - 0x38000000u;  // exponent bias 127 -> 15
+    uint32_t r = rebiased >> 13;
+    const uint32_t rest = rebiased & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) ++r;
+    return Fp16{static_cast<uint16_t>(sign | r)};
+  }
+};
+
+}  // namespace kernels
+}  // namespace dartree

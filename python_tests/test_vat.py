@@ -1,0 +1,470 @@
+"""The VAT loss (dartree_ext.vat) against the PyTorch reference on every backend (CPU kernels, the CUDA
+kernels under emulation, real CUDA): values and gradients for every schedule and both rules,
+hand-built blocks, gradcheck, the sampling rule's acceptance rate, the chunked linear variant,
+opcheck and bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dartree_ext
+from dartree_ext import reference, vat
+from conftest import cuda_available
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+
+
+def api(backend):
+    """vat_loss / vat_loss_linear on the backend (the emulated backend composes its own kernels)."""
+    return backend.ops if backend.name == "emu" else vat
+
+
+def make_inputs(m, k, vocab, dtype=torch.float32, seed=0, noise=1.0, with_vh=True):
+    """Blocks where the draft is the target plus noise (so acceptance is mixed), a trailing invalid
+    position in every other block, one fully invalid block (when m >= 3), NaN logits there."""
+    gen = torch.Generator().manual_seed(seed)
+    target = 2.0 * torch.randn(m, k, vocab, generator=gen, dtype=torch.float64)
+    draft = target + noise * torch.randn(m, k, vocab, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (m, k), generator=gen)
+    valid = torch.ones(m, k, dtype=torch.bool)
+    valid[::2, k - 1] = False
+    if m >= 3:
+        valid[1] = False
+        draft[1, 0] = float("nan")  # invalid positions may hold anything
+        tokens[1, 0] = -100
+    vh = torch.randn(m, k, generator=gen, dtype=torch.float64) if with_vh else None
+    return draft.to(dtype), target.to(dtype), tokens, (vh.to(dtype) if with_vh else None), valid
+
+
+def tolerances(dtype):
+    return {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-3, 2e-3),
+            torch.float16: (2e-3, 2e-3)}[dtype]
+
+
+def run_both(backend, inputs, **options):
+    """(ours, reference) with gradients of the draft logits and vh logits."""
+    draft, target, tokens, vh, valid = inputs
+    results = []
+    for fn, dev in ((api(backend).vat_loss, backend.device), (reference.vat_loss, torch.device("cpu"))):
+        d = draft.to(dev).requires_grad_(True)
+        h = None if vh is None else vh.to(dev).requires_grad_(True)
+        opts = dict(options)
+        if "seed" in opts:
+            opts["generator"] = torch.Generator().manual_seed(opts.pop("seed"))
+        out = fn(d, target.to(dev), tokens.to(dev), h, valid.to(dev), **opts)
+        out.loss.backward()
+        results.append((out, d.grad, None if h is None else h.grad))
+    return results
+
+
+@pytest.mark.parametrize("schedule", vat.SCHEDULES)
+@pytest.mark.parametrize("rule", ["greedy", "sample"])
+def test_matches_reference_every_schedule(backend, schedule, rule):
+    inputs = make_inputs(4, 5, 300, seed=len(schedule))
+    (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = run_both(
+        backend, inputs, rule=rule, schedule=schedule, temperature=0.8, decay_gamma=3.0, vh_weight=0.5, seed=7)
+    assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+    assert torch.equal(ours.accept.cpu(), ref.accept)
+    torch.testing.assert_close(ours.weights.cpu(), ref.weights, rtol=1e-6, atol=1e-7)
+    for name in ("loss", "ce_loss", "vh_loss"):
+        torch.testing.assert_close(getattr(ours, name).cpu(), getattr(ref, name), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(g_ours.cpu(), g_ref, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(gh_ours.cpu(), gh_ref, rtol=2e-5, atol=1e-6)
+    # the inputs exercise both outcomes, and invalid positions get no gradient
+    assert 0 < float(ref.accept[inputs[4]].mean()) < 1
+    assert float(g_ours.cpu()[~inputs[4]].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 64, 1000])
+def test_matches_reference_dtypes_and_vocab_sizes(backend, dtype, vocab):
+    inputs = make_inputs(3, 4, vocab, dtype=dtype, seed=vocab)
+    for rule in ("greedy", "sample"):
+        (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = run_both(backend, inputs, rule=rule, seed=vocab)
+        rtol, atol = tolerances(dtype)
+        assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+        torch.testing.assert_close(ours.loss.cpu(), ref.loss, rtol=rtol, atol=atol)
+        assert ours.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert g_ours.dtype == dtype
+        torch.testing.assert_close(g_ours.cpu().double(), g_ref.double(), rtol=max(rtol, 1e-2 if dtype in (
+            torch.bfloat16, torch.float16) else rtol), atol=max(atol, 1e-4 if dtype != torch.float64 else atol))
+
+
+def test_hand_built_blocks(backend):
+    """Greedy acceptance chosen position by position: draft and target argmaxes agree where 1."""
+    k, vocab, gamma = 6, 8, 2.0
+    pattern = torch.tensor([[1, 1, 0, 1, 0, 1],   # k* = 3
+                            [1, 1, 1, 1, 1, 1],   # k* = 7
+                            [0, 1, 1, 1, 1, 1],   # k* = 1
+                            [1, 0, 1, 0, 1, 1]])  # position 2 invalid: k* = 4
+    valid = torch.ones(4, k, dtype=torch.bool)
+    valid[3, 1] = False
+    valid[3, 5] = False
+    target = torch.full((4, k, vocab), -1.0)
+    target[..., 2] = 3.0  # target argmax 2 everywhere
+    draft = torch.zeros(4, k, vocab)
+    draft[..., 5] = 1.0
+    draft[..., 2] = torch.where(pattern.bool(), 2.0, 0.5)  # argmax 2 where accepted, else 5
+    tokens = torch.full((4, k), 2)
+    expected_first = torch.tensor([3, 7, 1, 4], dtype=torch.int32)
+    position = torch.arange(1, k + 1, dtype=torch.float64)
+    expected_weights = {
+        "vat": lambda s: torch.where(position < s, 1.0, torch.exp(-(position - s) / gamma)),
+        "dflash": lambda s: torch.exp(-(position - 1) / gamma),
+        "prefix_only": lambda s: (position < s).double(),
+        "hard_cutoff": lambda s: (position <= s).double(),
+        "unshifted": lambda s: torch.where(position < s, 1.0, torch.exp(-(position - 1) / gamma)),
+    }
+    log_q = torch.log_softmax(draft.double(), -1)
+    p = torch.softmax(target.double(), -1)
+    ce_soft = -(p * log_q).sum(-1)
+    ce_hard = -log_q[..., 2]
+    for schedule, rule in expected_weights.items():
+        out = api(backend).vat_loss(*backend.put(draft, target, tokens), None, valid.to(backend.device),
+                                    schedule=schedule, decay_gamma=gamma)
+        assert out.first_reject.cpu().tolist() == expected_first.tolist()
+        assert torch.equal(out.accept.cpu(), torch.where(valid, pattern.float(), 0.0))
+        weights = torch.stack([rule(float(s)) for s in expected_first]) * valid
+        torch.testing.assert_close(out.weights.cpu().double(), weights, rtol=1e-6, atol=1e-7)
+        terms = ce_hard if schedule == "dflash" else ce_soft + ce_hard
+        expected_ce = float((weights * terms).sum() / 4)
+        assert math.isclose(float(out.ce_loss), expected_ce, rel_tol=1e-5)
+        assert float(out.vh_loss) == 0.0 and math.isclose(float(out.loss), expected_ce, rel_tol=1e-5)
+    # the vh target is v_k = 1 iff k < k*: logits of +-30 matching it give a loss of about 0
+    vh = torch.where(position[None, :] < expected_first[:, None], 30.0, -30.0).float()
+    out = api(backend).vat_loss(*backend.put(draft, target, tokens, vh), valid.to(backend.device))
+    assert float(out.vh_loss) < 1e-10
+    out = api(backend).vat_loss(*backend.put(draft, target, tokens, -vh), valid.to(backend.device))
+    assert math.isclose(float(out.vh_loss), 30.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["vat", "dflash", "hard_cutoff"])
+@pytest.mark.parametrize("rule", ["greedy", "sample"])
+def test_gradcheck(backend, rule, schedule):
+    draft, target, tokens, vh, valid = make_inputs(3, 3, 9, dtype=torch.float64, seed=3)
+    draft[1, 0] = 0.0  # gradcheck perturbs every entry, also invalid ones: keep them finite
+    draft, target, tokens, vh, valid = backend.put(draft, target, tokens, vh, valid)
+    fn = api(backend).vat_loss
+
+    def loss(d, h):
+        return fn(d, target, tokens, h, valid, rule=rule, schedule=schedule, temperature=0.7,
+                  generator=torch.Generator().manual_seed(1)).loss
+
+    assert torch.autograd.gradcheck(loss, (draft.requires_grad_(True), vh.requires_grad_(True)))
+
+
+def test_gradient_formula(backend):
+    """d ce_loss / d draft = w (2 q - p - onehot(y)) / #blocks, written out."""
+    draft, target, tokens, _, valid = make_inputs(3, 4, 50, dtype=torch.float64, seed=5)
+    draft[1, 0] = 0.0
+    d = backend.put(draft).requires_grad_(True)
+    out = api(backend).vat_loss(d, *backend.put(target, tokens), None, valid.to(backend.device))
+    (2.5 * out.ce_loss).backward()
+    q, p = torch.softmax(draft, -1), torch.softmax(target, -1)
+    onehot = torch.nn.functional.one_hot(tokens.clamp(min=0), 50).double()
+    w = out.weights.cpu().double()[..., None]
+    expected = 2.5 * w * (2 * q - p - onehot) / 2  # blocks 0 and 2 have valid positions
+    torch.testing.assert_close(d.grad.cpu(), expected, rtol=1e-10, atol=1e-12)
+
+
+def _accept_rate_case(rows_per_pair, temperature, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pairs, vocab = 8, 40
+    target = 2.5 * torch.randn(pairs, vocab, generator=gen, dtype=torch.float64)
+    draft = target + 1.5 * torch.randn(pairs, vocab, generator=gen, dtype=torch.float64)
+    p = torch.softmax(target / temperature, -1)
+    q = torch.softmax(draft / temperature, -1)
+    rate = torch.minimum(p, q).sum(-1)  # P(accept) of speculative sampling, per pair
+    draft_rows = draft.repeat_interleave(rows_per_pair, 0)[:, None].float().contiguous()
+    target_rows = target.repeat_interleave(rows_per_pair, 0)[:, None].float().contiguous()
+    return draft_rows, target_rows, rate
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sample_rule_accept_rate(backend, temperature):
+    """Mean acceptance over many rows vs sum_x min(p_T(x), q_T(x)), within 5 standard deviations of
+    the mean of independent Bernoullis. The temperature must matter: the T = 1 rates are far outside
+    the T = 0.5 tolerance (checked), so a kernel that ignored T would fail."""
+    rows_per_pair = 256 if backend.name == "emu" else 2500
+    draft, target, rate = _accept_rate_case(rows_per_pair, temperature, seed=11)
+    n = draft.shape[0]
+    tokens = torch.zeros(n, 1, dtype=torch.int64)
+    valid = torch.ones(n, 1, dtype=torch.bool)
+    out = api(backend).vat_loss(*backend.put(draft, target, tokens), None, valid.to(backend.device), rule="sample",
+                                temperature=temperature, generator=torch.Generator().manual_seed(5))
+    expected = float(rate.mean())
+    sigma = math.sqrt(float((rate * (1 - rate)).sum()) * rows_per_pair) / n
+    observed = float(out.accept.double().mean())
+    assert abs(observed - expected) < 5 * sigma, (observed, expected, sigma)
+    _, _, other_rate = _accept_rate_case(rows_per_pair, 1.5 - temperature, seed=11)
+    assert abs(float(other_rate.mean()) - expected) > 10 * sigma  # the test can tell temperatures apart
+    # and per (p, q) pair, each within 5 of its own standard deviations
+    per_pair = out.accept.double().cpu().view(-1, rows_per_pair).mean(1)
+    pair_sigma = (rate * (1 - rate) / rows_per_pair).sqrt()
+    assert bool(((per_pair - rate).abs() < 5 * pair_sigma).all()), (per_pair, rate)
+
+
+def test_sample_rule_is_deterministic_given_generator(backend):
+    inputs = make_inputs(3, 4, 100, seed=2)
+    draft, target, tokens, vh, valid = backend.put(*inputs)
+
+    def run(seed):
+        return api(backend).vat_loss(draft, target, tokens, vh, valid, rule="sample",
+                                     generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a.accept, b.accept) and torch.equal(a.loss, b.loss)
+    assert not torch.equal(a.accept, c.accept)  # 30 valid positions: other uniforms, other decisions
+
+
+def _linear_inputs(m, k, vocab, hd, ht, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    h_t = torch.randn(m, k, ht, generator=gen, dtype=torch.float64)
+    w_t = torch.randn(vocab, ht, generator=gen, dtype=torch.float64) / math.sqrt(ht) * 3
+    h_d = torch.randn(m, k, hd, generator=gen, dtype=torch.float64)
+    w_d = torch.randn(vocab, hd, generator=gen, dtype=torch.float64) / math.sqrt(hd) * 3
+    tokens = torch.randint(0, vocab, (m, k), generator=gen)
+    valid = torch.ones(m, k, dtype=torch.bool)
+    valid[-1, k // 2:] = False
+    vh = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (h_d, w_d, h_t, w_t)] + [tokens, vh.to(dtype), valid]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4, 9, 1000])
+@pytest.mark.parametrize("rule, schedule", [("greedy", "vat"), ("sample", "dflash"), ("greedy", "unshifted")])
+def test_linear_equals_materialized(backend, chunk_size, rule, schedule):
+    h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(5, 4, 150, 12, 10, torch.float64, seed=4))
+    options = dict(rule=rule, schedule=schedule, temperature=0.9)
+    leaves = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
+    out = api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, leaves[2], valid,
+                                       generator=torch.Generator().manual_seed(3), chunk_size=chunk_size, **options)
+    (3.0 * out.loss).backward()
+    mats = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
+    expected = api(backend).vat_loss(mats[0] @ mats[1].t(), h_t @ w_t.t(), tokens, mats[2], valid,
+                                     generator=torch.Generator().manual_seed(3), **options)
+    (3.0 * expected.loss).backward()
+    for name in ("loss", "ce_loss", "vh_loss"):
+        torch.testing.assert_close(getattr(out, name), getattr(expected, name), rtol=1e-10, atol=1e-12)
+    for name in ("first_reject", "accept", "weights"):
+        assert torch.equal(getattr(out, name), getattr(expected, name)), name
+    for ours, ref in zip(leaves, mats):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_low_precision(backend, dtype):
+    h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(4, 4, 200, 16, 8, dtype, seed=6))
+    leaves = [t.clone().requires_grad_(True) for t in (h_d, w_d)]
+    out = api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, None, valid, chunk_size=8)
+    out.loss.backward()
+    mats = [t.detach().double().requires_grad_(True) for t in (h_d, w_d)]
+    ref = reference.vat_loss((mats[0] @ mats[1].t()).cpu(), (h_t.double() @ w_t.double().t()).cpu(), tokens.cpu(),
+                             None, valid.cpu())
+    ref.loss.backward()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.loss.double().cpu(), ref.loss, rtol=tol, atol=tol)
+    assert leaves[0].grad.dtype == dtype and leaves[1].grad.dtype == dtype
+    for ours, expected in zip(leaves, mats):
+        scale = float(expected.grad.abs().max())  # 16-bit gradients: errors relative to the largest entry
+        torch.testing.assert_close(ours.grad.double().cpu(), expected.grad.cpu(), rtol=tol,
+                                   atol=scale * (1e-5 if dtype == torch.float32 else 1.5e-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_rounds_like_torch(backend, dtype):
+    """The row gradient's float -> 16-bit conversion: with g_q = g_p = 0 the kernel writes -g_y at the
+    token, so special values (subnormals, ties, overflow, NaN) go through it exactly."""
+    values = torch.tensor([1.0, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 65504.0, 65519.0, 65520.0, 1e6,
+                           6.1e-5, 2 ** -24, 2 ** -25, 1.5 * 2 ** -25, 3 * 2 ** -25, 1e-8, 2 ** -14 - 2 ** -25,
+                           1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3.4e38, float("inf"), 1e-40, 0.1, 1 / 3],
+                          dtype=torch.float32)
+    values = torch.cat([values, -values, torch.randn(200) * 10 ** torch.randint(-9, 5, (200,)).float()])
+    rows = values.shape[0]
+    logits = torch.zeros(rows, 3, dtype=dtype)
+    tokens = torch.ones(rows, dtype=torch.int64)
+    zeros = torch.zeros(rows)
+    lse = torch.zeros(rows)
+    kernels = backend.ops if backend.name == "emu" else None
+    args = backend.put(zeros, zeros, -values, logits, logits, tokens, lse, lse)
+    if kernels is not None:
+        grad = kernels.vat_row_backward(*args)
+    else:
+        grad = torch.ops.dartree_ext.vat_row_backward(*args)
+    assert torch.equal(grad.cpu()[:, 1].view(torch.int16), values.to(dtype).view(torch.int16))
+    assert float(grad.cpu()[:, [0, 2]].abs().max()) == 0.0
+
+
+def test_all_invalid_rows_skip_reads(backend):
+    """Rows with zero gradient coefficients get exact zeros even when their logits are NaN."""
+    draft = torch.full((2, 40), float("nan"))
+    lse = torch.zeros(2)
+    args = backend.put(lse, lse, lse, draft, draft, torch.zeros(2, dtype=torch.int64), lse, lse)
+    kernels = backend.ops.vat_row_backward if backend.name == "emu" else torch.ops.dartree_ext.vat_row_backward
+    assert torch.equal(kernels(*args).cpu(), torch.zeros(2, 40))
+
+
+# --- opcheck -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sample", [False, True])
+def test_opcheck_row_forward(device, sample):
+    gen = torch.Generator().manual_seed(0)
+    draft = torch.randn(6, 33, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
+    target = torch.randn(6, 33, generator=gen, dtype=torch.float64).to(device)
+    tokens = torch.randint(0, 33, (6,), generator=gen).to(device)
+    uniforms = torch.rand(6, 2, generator=gen).to(device) if sample else None
+    torch.library.opcheck(torch.ops.dartree_ext.vat_row_forward.default, (draft, target, tokens, uniforms, 0.8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_row_backward_and_block_weights(device):
+    gen = torch.Generator().manual_seed(0)
+    draft = torch.randn(6, 33, generator=gen).to(device)
+    target = torch.randn(6, 33, generator=gen).to(device)
+    tokens = torch.randint(0, 33, (6,), generator=gen).to(device)
+    g = [torch.rand(6, generator=gen).to(device) for _ in range(3)]
+    lse_d, lse_t = torch.logsumexp(draft, -1), torch.logsumexp(target, -1)
+    torch.library.opcheck(torch.ops.dartree_ext.vat_row_backward.default, (*g, draft, target, tokens, lse_d, lse_t))
+    accept = (torch.rand(4, 5, generator=gen) < 0.7).float().to(device)
+    valid = (torch.rand(4, 5, generator=gen) < 0.8).to(device)
+    for schedule in range(5):
+        torch.library.opcheck(torch.ops.dartree_ext.vat_block_weights.default, (accept, valid, schedule, 3.0))
+
+
+def test_vat_loss_compiles():
+    draft, target, tokens, vh, valid = make_inputs(2, 3, 20, seed=1)
+    draft[1, 0] = 0.0
+
+    def loss(d, h):
+        return vat.vat_loss(d, target, tokens, h, valid, check_finite=False).loss
+
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(draft, vh), loss(draft, vh))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def _good(device, m=2, k=3, vocab=10):
+    draft, target, tokens, vh, valid = make_inputs(m, k, vocab, seed=0)
+    return [t.to(device) for t in (draft, target, tokens, vh, valid)]
+
+
+def test_bad_vocab_and_shapes(device):
+    draft, target, tokens, vh, valid = _good(device)
+    with pytest.raises(ValueError, match="target_logits has vocabulary size 9 but draft_logits has 10"):
+        vat.vat_loss(draft, target[..., :9], tokens, vh, valid)
+    with pytest.raises(ValueError, match=r"target_logits must have draft_logits' shape \(2, 3, 10\)"):
+        vat.vat_loss(draft, target[:1], tokens, vh, valid)
+    with pytest.raises(ValueError, match=r"draft_logits must be \[M, K, V\]"):
+        vat.vat_loss(draft[0], target[0], tokens, vh, valid)
+    with pytest.raises(ValueError, match=r"target_tokens must have shape \[M, K\] = \[2, 3\]"):
+        vat.vat_loss(draft, target, tokens[:, :2], vh, valid)
+    with pytest.raises(ValueError, match=r"valid must have shape \[M, K\]"):
+        vat.vat_loss(draft, target, tokens, vh, valid[:1])
+    with pytest.raises(ValueError, match=r"vh_logits must have shape \[M, K\]"):
+        vat.vat_loss(draft, target, tokens, vh[:, :1], valid)
+
+
+def test_bad_dtypes(device):
+    draft, target, tokens, vh, valid = _good(device)
+    with pytest.raises(TypeError, match="target_tokens must be an int64 tensor, got torch.int32"):
+        vat.vat_loss(draft, target, tokens.int(), vh, valid)
+    with pytest.raises(TypeError, match="valid must be a bool tensor, got torch.float32"):
+        vat.vat_loss(draft, target, tokens, vh, valid.float())
+    with pytest.raises(TypeError, match="draft_logits must be float32, bfloat16, float16 or float64, got torch.int64"):
+        vat.vat_loss(tokens[..., None].expand(2, 3, 10), target, tokens, vh, valid)
+    with pytest.raises(TypeError, match="target_logits must have draft_logits' dtype torch.float32"):
+        vat.vat_loss(draft, target.double(), tokens, vh, valid)
+    with pytest.raises(TypeError, match="vh_logits must be a floating-point tensor"):
+        vat.vat_loss(draft, target, tokens, tokens, valid)
+
+
+def test_bad_options(device):
+    draft, target, tokens, vh, valid = _good(device)
+    for t in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0 for rule='sample'"):
+            vat.vat_loss(draft, target, tokens, vh, valid, rule="sample", temperature=t)
+    vat.vat_loss(draft, target, tokens, vh, valid, rule="greedy", temperature=0.0)  # greedy ignores it
+    with pytest.raises(ValueError, match="rule must be one of"):
+        vat.vat_loss(draft, target, tokens, vh, valid, rule="topk")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        vat.vat_loss(draft, target, tokens, vh, valid, schedule="linear")
+    with pytest.raises(ValueError, match="decay_gamma must be finite and > 0"):
+        vat.vat_loss(draft, target, tokens, vh, valid, decay_gamma=0.0)
+
+
+def test_all_invalid_is_an_error(device):
+    draft, target, tokens, vh, valid = _good(device)
+    with pytest.raises(ValueError, match="valid has no True entry"):
+        vat.vat_loss(draft, target, tokens, vh, torch.zeros_like(valid))
+    with pytest.raises(ValueError, match="valid has no True entry"):
+        vat.vat_loss_linear(draft, torch.eye(10, device=device), target, torch.eye(10, device=device), tokens, vh,
+                            torch.zeros_like(valid))
+
+
+def test_non_finite_inputs_are_named(device):
+    draft, target, tokens, vh, valid = _good(device)
+    bad = draft.clone()
+    bad[1, 2, 4] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"draft_logits has NaN or inf values at valid position \[1, 2\]"):
+        vat.vat_loss(bad, target, tokens, vh, valid)
+    bad = target.clone()
+    bad[0, 1, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"target_logits has NaN or inf values at valid position \[0, 1\]"):
+        vat.vat_loss(draft, bad, tokens, vh, valid)
+    bad = tokens.clone()
+    bad[1, 0] = 10
+    with pytest.raises(FloatingPointError, match=r"target_tokens\[1, 0\] = 10 is outside the vocabulary \[0, 10\)"):
+        vat.vat_loss(draft, target, bad, vh, valid)
+    # at an invalid position the same values are ignored
+    bad = draft.clone()
+    bad[0, 2] = float("nan")  # valid[0, 2] is False
+    assert torch.isfinite(vat.vat_loss(bad, target, tokens, vh, valid).loss)
+    # without the check nothing synchronizes and the NaN comes back
+    bad[1, 2, 4] = float("nan")
+    assert torch.isnan(vat.vat_loss(bad, target, tokens, vh, valid, check_finite=False).loss)
+
+
+def test_linear_bad_input(device):
+    h = torch.randn(2, 3, 4, device=device)
+    w = torch.randn(10, 4, device=device)
+    tokens = torch.zeros(2, 3, dtype=torch.int64, device=device)
+    valid = torch.ones(2, 3, dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match="target_weight has vocabulary size 9 but draft_weight has 10"):
+        vat.vat_loss_linear(h, w, h, w[:9], tokens, None, valid)
+    with pytest.raises(ValueError, match=r"draft_weight must be \[V, Hd\] with Hd = 4"):
+        vat.vat_loss_linear(h, w[:, :3], h, w, tokens, None, valid)
+    with pytest.raises(TypeError, match="target_hidden must have draft_hidden's dtype"):
+        vat.vat_loss_linear(h, w, h.double(), w, tokens, None, valid)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        vat.vat_loss_linear(h, w, h, w, tokens, None, valid, chunk_size=0)
+
+
+def test_op_level_checks_name_arguments(device):
+    draft = torch.randn(4, 10, device=device)
+    tokens = torch.zeros(4, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match="vat_row_forward: target_logits must have the draft's vocabulary size 10"):
+        torch.ops.dartree_ext.vat_row_forward(draft, draft[:, :9].contiguous(), tokens, None, 1.0)
+    with pytest.raises(RuntimeError, match="vat_row_forward: target_tokens must be Long"):
+        torch.ops.dartree_ext.vat_row_forward(draft, draft, tokens.int(), None, 1.0)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        torch.ops.dartree_ext.vat_row_forward(draft, draft, tokens, torch.rand(4, 2, device=device), 0.0)
+    with pytest.raises(RuntimeError, match="vat_block_weights: valid must be Bool"):
+        torch.ops.dartree_ext.vat_block_weights(torch.ones(2, 2, device=device), torch.ones(2, 2, device=device), 0, 7.0)
+    with pytest.raises(ValueError, match="vat_block_weights: schedule must be 0..4"):
+        torch.ops.dartree_ext.vat_block_weights(torch.ones(2, 2, device=device),
+                                                torch.ones(2, 2, dtype=torch.bool, device=device), 5, 7.0)
+
+
+def test_exported():
+    assert dartree_ext.vat_loss is vat.vat_loss and dartree_ext.vat_loss_linear is vat.vat_loss_linear
+    assert dartree_ext.VATLossOutput._fields == ("loss", "ce_loss", "vh_loss", "first_reject", "accept", "weights")
