@@ -1,21 +1,24 @@
 """End-to-end decoding benchmark: every method on the same prompts, side by side in one run.
 
-Prints, per method: tau (tokens per round, micro and macro average), time per token, speedup
-over ``ar`` (ratio of total decoding times for the same tokens, measured in this run), the round
-time split, mean verified tree size, peak memory where CUDA reports it, and whether the output
-equals ``ar``'s (T = 0: it must).
+Per prompt set and temperature, per method: tau (tokens per round, micro and macro average),
+time per token, speedup over ``ar`` (ratio of decoding time per token, measured in this run),
+the round-time split, mean verified tree size, peak memory where CUDA reports it, and whether the
+output equals ``ar``'s (at T = 0 it must: the script exits 1 otherwise).
 
-    python bench/e2e.py                          # tiny built-in target, random drafter
-    python bench/e2e.py --drafter lookup         # a drafter that knows the AR output (machinery at high tau)
-    python bench/e2e.py --target DIR --drafter DIR --prompts prompts.txt
+    python bench/e2e.py                                   # tiny built-in target, random drafter
+    python bench/e2e.py --drafter lookup                  # a drafter that knows ar's output (high tau)
+    python bench/e2e.py --target smollm2 --drafter DIR --sets gsm8k,humaneval,mtbench \\
+        --num-prompts 10 --temperatures 0,1 --json bench/results/e2e.json
+    python bench/e2e.py ... --sweep width=4,8,12,16 --methods dartree   # tau vs W (also budget=, beta=)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-import time
+from collections import Counter
 
 import torch
 
@@ -33,6 +36,30 @@ DEFAULT_PROMPTS = [
 ]
 
 
+@dataclasses.dataclass
+class Params:
+    budget: int = 64
+    width: int = 12
+    K: int = 64
+    depth_bonus: float = -0.2
+
+
+def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
+    sets = {}
+    for name in [n for n in names.split(",") if n]:
+        if name == "default":
+            texts = DEFAULT_PROMPTS
+        elif os.path.isfile(name):
+            with open(name) as f:
+                texts = [line.rstrip("\n") for line in f if line.strip()]
+            name = os.path.basename(name)
+        else:
+            from dartree_ext.data import prompts as shipped
+            texts = [p.text for p in getattr(shipped, name)()]
+        sets[name] = texts[:num] if num else texts
+    return sets
+
+
 def batch_of(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.int64)
@@ -43,107 +70,132 @@ def batch_of(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def run(target, drafter, method: str, groups: list[list[list[int]]], params: Params, temperature: float,
+        max_new_tokens: int, stops: list[int], device: str, seed: int = 0) -> dict:
+    dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
+                             depth_bonus=params.depth_bonus)
+    seconds = tokens = rounds = accepted = 0
+    split, hist, depth_nodes, nodes, taus, outputs = Counter(), Counter(), Counter(), [], [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for g, group in enumerate(groups):
+        ids, mask = batch_of(group)
+        gen = torch.Generator(device=device).manual_seed(seed + g)
+        out = dec.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
+                           generator=gen)
+        st = out.stats
+        seconds += st.total_time - st.time["prefill"]
+        tokens += st.new_tokens
+        rounds += st.rounds
+        accepted += sum(sum(r.accepted) for r in st.requests)
+        taus += [r.tau for r in st.requests if r.rounds]
+        nodes += st.tree_nodes
+        hist.update(a for r in st.requests for a in r.accepted)
+        depth_nodes.update(st.nodes_per_depth)
+        split.update(st.time)
+        outputs.append([out.sequences[b, ids.shape[1]:ids.shape[1] + r.new_tokens].tolist()
+                        for b, r in enumerate(st.requests)])
+    return dict(method=method, temperature=temperature, params=dataclasses.asdict(params),
+                tau=accepted / rounds + 1 if rounds else 0.0, tau_macro=sum(taus) / len(taus) if taus else 0.0,
+                seconds=seconds, tokens=tokens, rounds=rounds, ms_per_token=1e3 * seconds / max(1, tokens),
+                mean_tree_nodes=sum(nodes) / max(1, len(nodes)),
+                split={k: v / max(1e-12, sum(split.values())) for k, v in split.items()},
+                accept_hist={int(k): v for k, v in sorted(hist.items())},
+                nodes_per_depth={int(k): v / max(1, rounds) for k, v in sorted(depth_nodes.items())},
+                peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None, outputs=outputs)
+
+
+def print_table(title: str, results: list[dict]) -> None:
+    ar = next(r for r in results if r["method"] == "ar")
+    print(title)
+    print(f"{'method':16s} {'tau':>6s} {'tau_mac':>7s} {'ms/tok':>8s} {'speedup':>7s} {'nodes':>6s} "
+          f"{'draft':>6s} {'tree':>6s} {'verify':>6s} {'book':>6s} {'peakMiB':>8s} same_as_ar")
+    for r in results:
+        s = r["split"]
+        peak = f"{r['peak_mib']:8.1f}" if r["peak_mib"] is not None else f"{'-':>8s}"
+        print(f"{r['method']:16s} {r['tau']:6.3f} {r['tau_macro']:7.3f} {r['ms_per_token']:8.3f} {r['speedup']:7.3f} "
+              f"{r['mean_tree_nodes']:6.1f} {s.get('draft', 0):6.1%} {s.get('tree', 0):6.1%} "
+              f"{s.get('verify', 0):6.1%} {s.get('bookkeeping', 0):6.1%} {peak} {r['same_as_ar']}")
+    del ar
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="tiny")
+    parser.add_argument("--target", default="tiny", help="'tiny', 'smollm2' or a local HF model directory")
     parser.add_argument("--drafter", default="random", help="a drafter directory, 'random' or 'lookup'")
-    parser.add_argument("--lookup-miss", type=float, default=0.3, help="lookup drafter: chance a position's right "
-                                                                      "token is only second best")
-    parser.add_argument("--prompts", default=None, help="a file with one prompt per line")
-    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--lookup-miss", type=float, default=0.3)
+    parser.add_argument("--sets", default="default", help="comma list: default, gsm8k, humaneval, mtbench, or files")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--width", type=int, default=12)
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--depth-bonus", type=float, default=-0.2)
-    parser.add_argument("--batch", action="store_true", help="decode all prompts as one batch (default: one by one)")
+    parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget or depth_bonus")
+    parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--json", default=None, help="write every result (without outputs) here")
     args = parser.parse_args(argv)
 
     loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     target, tok = loaded.target, loaded.tokenizer
-    texts = DEFAULT_PROMPTS
-    if args.prompts:
-        with open(args.prompts) as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
-    texts = texts[:args.num_prompts] if args.num_prompts else texts
-    prompts = [encode_prompt(tok, t) for t in texts]
-    groups = [prompts] if args.batch else [[p] for p in prompts]
     stops = stop_tokens(tok, target)
-    methods = [m for m in args.methods.split(",") if m]
-    if "ar" not in methods:
-        methods = ["ar"] + methods
+    methods = [m for m in args.methods.split(",") if m and m != "ar"]
     base = None if args.drafter in ("random", "lookup") else args.drafter
     drafter = load_drafter(base, target)
-
-    def run(method, drafter_for_method):
-        dec = SpeculativeDecoder(target, drafter_for_method, method, budget=args.budget, width=args.width, K=args.K,
-                                 depth_bonus=args.depth_bonus)
-        outs, seconds, tokens, rounds, accepted, nodes = [], 0.0, 0, 0, 0, []
-        split = {}
-        taus = []
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for group in groups:
-            ids, mask = batch_of(group)
-            gen = torch.Generator(device=args.device).manual_seed(0)
-            out = dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               stop_token_ids=stops, generator=gen)
-            st = out.stats
-            seconds += st.total_time
-            tokens += st.new_tokens
-            rounds += st.rounds
-            accepted += sum(sum(r.accepted) for r in st.requests)
-            taus += [r.tau for r in st.requests if r.rounds]
-            nodes += st.tree_nodes
-            for k, v in st.time.items():
-                split[k] = split.get(k, 0.0) + v
-            outs.append([out.sequences[b, ids.shape[1]:ids.shape[1] + r.new_tokens].tolist()
-                         for b, r in enumerate(st.requests)])
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else None
-        return dict(method=method, tau=accepted / rounds + 1 if rounds else 0.0,
-                    tau_macro=sum(taus) / len(taus) if taus else 0.0, seconds=seconds, tokens=tokens,
-                    ms_per_token=1e3 * seconds / max(1, tokens), mean_tree_nodes=sum(nodes) / max(1, len(nodes)),
-                    split={k: v / seconds for k, v in split.items()} if seconds else {}, peak_mib=peak,
-                    outputs=outs)
-
-    # warm-up (first calls pay one-time costs)
-    dec = SpeculativeDecoder(target, drafter, "dartree", budget=args.budget, width=args.width, K=args.K)
-    dec.generate(batch_of(groups[0])[0], batch_of(groups[0])[1], max_new_tokens=4)
-
-    results = [run("ar", None)]
-    ar = results[0]
-    if args.drafter == "lookup":
-        refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]
-        drafter = LookupDrafter(drafter, refs, miss=args.lookup_miss)
-    for method in methods:
-        if method != "ar":
-            results.append(run(method, drafter))
+    temps = [float(t) for t in args.temperatures.split(",")]
+    base_params = Params(args.budget, args.width, args.K, args.depth_bonus)
+    variants = [base_params]
+    if args.sweep:
+        name, values = args.sweep.split("=")
+        name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
+        kind = type(getattr(base_params, name))
+        variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
-          f"prompts={len(prompts)} batch={'all' if args.batch else 1} max_new_tokens={args.max_new_tokens} "
-          f"T={args.temperature} B={args.budget} W={args.width} K={args.K} beta={args.depth_bonus} "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'method':16s} {'tau':>6s} {'tau_mac':>7s} {'ms/tok':>8s} {'speedup':>7s} {'nodes':>6s} "
-          f"{'draft':>6s} {'tree':>6s} {'verify':>6s} {'book':>6s} {'peakMiB':>8s} same_as_ar")
-    for r in results:
-        same = r["outputs"] == ar["outputs"] if args.temperature == 0 else None
-        r["speedup"] = (ar["seconds"] / ar["tokens"]) / (r["seconds"] / r["tokens"])
-        r["same_as_ar"] = same
-        s = r["split"]
-        peak = f"{r['peak_mib']:8.1f}" if r["peak_mib"] is not None else f"{'-':>8s}"
-        print(f"{r['method']:16s} {r['tau']:6.3f} {r['tau_macro']:7.3f} {r['ms_per_token']:8.3f} {r['speedup']:7.3f} "
-              f"{r['mean_tree_nodes']:6.1f} {s.get('draft', 0):6.1%} {s.get('tree', 0):6.1%} {s.get('verify', 0):6.1%} "
-              f"{s.get('bookkeeping', 0):6.1%} {peak} {same}")
+          f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "
+          f"batch={'set' if args.batch else 1}")
+
+    everything, failed = [], []
+    for set_name, texts in prompt_sets(args.sets, args.num_prompts).items():
+        prompts = [encode_prompt(tok, t) for t in texts]
+        groups = [prompts] if args.batch else [[p] for p in prompts]
+        # warm-up: one-time costs (allocator, first kernel calls) stay out of the figures
+        SpeculativeDecoder(target, drafter, "dartree").generate(*batch_of(groups[0]), max_new_tokens=4)
+        for temperature in temps:
+            ar = run(target, None, "ar", groups, base_params, temperature, args.max_new_tokens, stops, args.device)
+            used = drafter
+            if args.drafter == "lookup":
+                refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]
+                used = LookupDrafter(drafter, refs, miss=args.lookup_miss)
+            results = [ar]
+            for params in variants:
+                for method in methods:
+                    results.append(run(target, used, method, groups, params, temperature, args.max_new_tokens, stops,
+                                       args.device))
+            for r in results:
+                r["set"], r["prompts"] = set_name, len(prompts)
+                r["speedup"] = ar["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
+                r["same_as_ar"] = r["outputs"] == ar["outputs"] if temperature == 0 else None
+                if r["same_as_ar"] is False:
+                    failed.append((set_name, r["method"]))
+            label = f"\n[{set_name}: {len(prompts)} prompts, T={temperature}"
+            label += f", sweep {args.sweep}]" if args.sweep else f", B={args.budget} W={args.width} K={args.K} " \
+                                                                   f"beta={args.depth_bonus}]"
+            if args.sweep:
+                for r in results:
+                    r["method"] = r["method"] if r["method"] == "ar" else \
+                        f"{r['method']}:{','.join(f'{k}={v}' for k, v in r['params'].items())}"
+            print_table(label, results)
+            everything += results
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in results], f, indent=2)
-    bad = [r["method"] for r in results if r["same_as_ar"] is False]
-    if bad:
-        print(f"ERROR: outputs differ from ar for {bad}")
+            json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in everything], f, indent=1)
+    if failed:
+        print(f"ERROR: outputs differ from ar at T = 0 for {failed}")
         return 1
     return 0
 

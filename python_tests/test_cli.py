@@ -1,0 +1,46 @@
+"""The command-line tools on the built-in tiny target (no downloads)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dartree_ext.cli import generate_main  # noqa: E402
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
+
+
+def test_generate_cli(capsys):
+    assert generate_main(["--max-new-tokens", "6", "--compare-ar", "--budget", "16", "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["new_tokens"] == 6 and summary["same_output_as_ar"] is True
+    assert set(summary["time_split"]) == {"prefill", "draft", "tree", "verify", "bookkeeping"}
+
+
+def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("first prompt\nsecond, longer prompt\n")
+    assert generate_main(["--prompt-file", str(prompts), "--max-new-tokens", "5", "--temperature", "0.8",
+                          "--method", "ddtree", "--budget", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt 1: second, longer prompt" in out
+
+
+def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
+    sys.path.insert(0, BENCH)
+    try:
+        import e2e
+    finally:
+        sys.path.remove(BENCH)
+    result = tmp_path / "r.json"
+    code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--drafter", "lookup",
+                     "--methods", "chain,dartree", "--json", str(result)])
+    assert code == 0
+    rows = json.load(open(result))
+    assert [r["method"] for r in rows] == ["ar", "chain", "dartree"]
+    assert all(r["same_as_ar"] for r in rows) and rows[2]["tau"] > 1.5
