@@ -150,3 +150,25 @@ def test_ddp_gradients_equal_single_process(tmp_path):
     assert set(ddp) == set(single) and len(single) > 10
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_cached_features_match_the_target(tmp_path):
+    """The feature cache gives the same TargetBatch as running the target (to float16 rounding),
+    and a second build reads the shards instead of recomputing."""
+    from dartree_ext.training.features import FeatureCache
+    from dartree_ext.training.trainer import cached_target_pass, target_pass
+    trainer = make_trainer(tmp_path)
+    seqs = [s for s, _ in trainer.sampler.seqs]
+    cache = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs, str(tmp_path / "f"),
+                               batch_size=3, progress=False)
+    assert len(cache) == len(seqs) and len(os.listdir(tmp_path / "f")) == 3
+    batch = trainer.sampler.batch(1)
+    live = target_pass(trainer.target, trainer.drafter, batch)
+    cached = cached_target_pass(trainer.target, trainer.drafter, batch, cache)
+    assert torch.equal(live.labels, cached.labels) and torch.equal(live.valid, cached.valid)
+    for row, length in enumerate(batch.lengths.tolist()):
+        torch.testing.assert_close(cached.features[row, :length], live.features[row, :length], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(cached.logits[live.valid], live.logits[live.valid], atol=2e-2, rtol=1e-2)
+    again = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs, str(tmp_path / "f"),
+                               batch_size=3, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(again.final, cache.final))

@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="response length when generating data")
     p.add_argument("--gen-batch", type=int, default=8)
     p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--data-only", action="store_true", help="stop after generating the response cache")
+    p.add_argument("--target-dtype-train", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache-features", action="store_true",
+                   help="compute the target's hidden states once (OUT/features/) instead of at every step")
     p.add_argument("--init", default=None, help="start from this drafter directory instead of a fresh one")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=1)
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.barrier()
     if rank != 0:
         records = generate_responses(target, prompts, data_path, progress=False)  # reads the cache
+    if args.data_only:
+        if rank == 0:
+            log.info("%d records in %s", len(records), data_path)
+        return 0
     if args.init:
         drafter = BlockDrafter.from_pretrained(args.init, target, dtype=torch.float32)
     else:
@@ -104,10 +112,20 @@ def main(argv: list[str] | None = None) -> int:
                                                          if f.name not in ("out_dir", "progress")})
     sampler = BlockSampler(records, drafter.config.block_size, cfg.batch_size, cfg.blocks_per_sequence,
                            cfg.max_length, cfg.seed)
+    features = None
+    if args.cache_features:
+        from .features import FeatureCache
+        feat_dir = os.path.join(args.out, "features")
+        if rank == 0:
+            FeatureCache.build(target, drafter.config.target_layer_ids, [s for s, _ in sampler.seqs], feat_dir)
+        if world > 1:
+            torch.distributed.barrier()
+        features = FeatureCache.build(target, drafter.config.target_layer_ids, [s for s, _ in sampler.seqs], feat_dir,
+                                      progress=False)
     if rank == 0:
         log.info("%d sequences, %d steps per epoch; drafter %.2fM parameters; %d process(es)", len(sampler.seqs),
                  sampler.steps_per_epoch, drafter.num_parameters() / 1e6, world)
-    history = Trainer(target, drafter, sampler, cfg, rank, world).train()
+    history = Trainer(target, drafter, sampler, cfg, rank, world, features).train()
     if rank == 0 and history:
         last = history[-1]
         log.info("done: step %d loss %.4f mean k* %.2f; drafter saved to %s", last["step"], last["loss"],

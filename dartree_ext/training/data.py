@@ -110,6 +110,7 @@ class BlockBatch:
     lengths: torch.Tensor
     anchors: torch.Tensor     # int64[S, n]: root positions
     block_seq: torch.Tensor   # int64[S * n]: the sequence of each block
+    indices: list[int] = dataclasses.field(default_factory=list)  # the sampler's sequence numbers
 
 
 class BlockSampler:
@@ -154,4 +155,4 @@ class BlockSampler:
             gen = torch.Generator().manual_seed(self.seed * 7919 + step * 104729 + i)
             anchors[row] = torch.randint(first, len(seq) - 1, (self.blocks_per_sequence,), generator=gen)
         block_seq = torch.arange(len(picked)).repeat_interleave(self.blocks_per_sequence)
-        return BlockBatch(seqs, lengths, anchors, block_seq)
+        return BlockBatch(seqs, lengths, anchors, block_seq, picked)

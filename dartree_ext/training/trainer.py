@@ -98,6 +98,31 @@ def target_pass(target: nn.Module, drafter: BlockDrafter, batch: BlockBatch) -> 
     return TargetBatch(features=features, logits=flat(logits), labels=flat(labels), valid=flat(valid))
 
 
+@torch.no_grad()
+def cached_target_pass(target: nn.Module, drafter: BlockDrafter, batch: BlockBatch, cache) -> TargetBatch:
+    """:func:`target_pass` from a :class:`~dartree_ext.training.features.FeatureCache`: only the
+    LM head runs (at the label positions)."""
+    device = next(target.parameters()).device
+    seqs, lengths, anchors = batch.sequences.to(device), batch.lengths.to(device), batch.anchors.to(device)
+    width = seqs.shape[1]
+    feats = [cache.features[i] for i in batch.indices]
+    features = torch.zeros(len(feats), width, feats[0].shape[1], device=device)
+    for row, f in enumerate(feats):
+        features[row, :f.shape[0]] = f.to(device=device, dtype=torch.float32)
+    steps = drafter.config.block_size - 1
+    label_pos = anchors[..., None] + torch.arange(1, steps + 1, device=device)
+    valid = label_pos < lengths[:, None, None]
+    label_pos = label_pos.clamp(max=width - 1)
+    rows = torch.arange(seqs.shape[0], device=device)[:, None, None].expand_as(label_pos)
+    labels = seqs[rows, label_pos]
+    head = target.get_output_embeddings()
+    finals = torch.stack([cache.final[i][(label_pos[r] - 1).clamp(min=0, max=cache.final[i].shape[0] - 1).cpu()]
+                          for r, i in enumerate(batch.indices)]).to(device=device, dtype=head.weight.dtype)
+    logits = head(finals)
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    return TargetBatch(features=features, logits=flat(logits), labels=flat(labels), valid=flat(valid))
+
+
 class DrafterObjective(nn.Module):
     """The trainable part as one module (so DDP sees one forward): drafter + heads -> loss."""
 
@@ -172,11 +197,12 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 class Trainer:
     def __init__(self, target: nn.Module, drafter: BlockDrafter, sampler: BlockSampler, cfg: TrainConfig,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, features=None) -> None:
         for p in target.parameters():
             p.requires_grad_(False)
         self.target, self.drafter, self.sampler, self.cfg = target.eval(), drafter, sampler, cfg
         self.rank, self.world = rank, world
+        self.features = features  # a FeatureCache aligned with sampler.seqs, or None (target runs each step)
         self.objective = DrafterObjective(drafter, cfg)
         self.module: nn.Module = self.objective
         if world > 1:
@@ -199,7 +225,10 @@ class Trainer:
     def compute_loss(self, step: int) -> dict:
         batch = self.sampler.batch(step, self.rank, self.world)
         with self._autocast():
-            tb = target_pass(self.target, self.drafter, batch)
+            if self.features is not None:
+                tb = cached_target_pass(self.target, self.drafter, batch, self.features)
+            else:
+                tb = target_pass(self.target, self.drafter, batch)
             gen = None
             if self.cfg.rule == "sample":
                 gen = torch.Generator(device=tb.features.device).manual_seed(self.cfg.seed * 1000003 + step)
