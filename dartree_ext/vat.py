@@ -284,12 +284,13 @@ def _finish(op: str, ce_loss, vh_loss, first_reject, accept, weights, valid, vh_
     return out
 
 
-def _diagnose_rows(op: str, draft_rows_finite, target_rows_finite, target_tokens, valid, vocab, vh_logits) -> str:
+def _diagnose_rows(op: str, draft_rows_finite, target_rows_finite, target_tokens, valid, vocab, vh_logits,
+                   names=("draft_logits", "target_logits")) -> str:
     """Names the first valid position whose inputs make the loss non-finite."""
     k = valid.shape[1]
     tokens_bad = valid & ((target_tokens < 0) | (target_tokens >= vocab))
-    for name, bad in (("target_tokens", tokens_bad), ("draft_logits", valid & ~draft_rows_finite()),
-                      ("target_logits", valid & ~target_rows_finite())):
+    for name, bad in (("target_tokens", tokens_bad), (names[0], valid & ~draft_rows_finite()),
+                      (names[1], valid & ~target_rows_finite())):
         if bool(bad.any()):
             index = int(bad.flatten().nonzero()[0, 0])
             m, j = divmod(index, k)
@@ -367,10 +368,13 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
 
 
 def default_chunk_blocks(m: int, k: int, vocab: int, hidden: int) -> int:
-    """Blocks per chunk of :func:`vat_loss_linear`: about ``M K / ceil(V / H)`` rows (Liger-Kernel's
-    rule: a chunk's logits are then about the size of the hidden states), rounded to whole blocks,
-    at least one block."""
-    rows = max(1, (m * k) // max(1, -(-vocab // max(1, hidden))))
+    """Blocks per chunk of :func:`vat_loss_linear`: about ``max(hidden, 256)`` rows, so that a chunk's
+    ``[rows, V]`` logits are about the size of the ``[V, hidden]`` head weight the caller already holds,
+    rounded down to whole blocks (at least one block). Much smaller chunks (Liger-Kernel's rule,
+    ``M K / ceil(V / hidden)`` rows) save little memory here, since the float32 weight gradient is of
+    that size anyway, and cost time: every chunk reads the weights and updates the whole weight
+    gradient once."""
+    rows = max(hidden, 256)
     return max(1, min(m, rows // k))
 
 
@@ -519,6 +523,7 @@ def _vat_loss_linear(kernels: Any, draft_hidden, draft_weight, target_hidden, ta
             finite_weight = bool(torch.isfinite(weight).all())
             return lambda: torch.isfinite(hidden.detach()).all(-1) & finite_weight
         return _diagnose_rows(op, rows_finite(draft_hidden, draft_weight), rows_finite(target_hidden, target_weight),
-                              target_tokens, valid, vocab, vh_logits)
+                              target_tokens, valid, vocab, vh_logits,
+                              names=("draft_hidden (or draft_weight)", "target_hidden (or target_weight)"))
 
     return _finish(op, ce_loss, vh_loss, first_reject, accept, weights, valid, vh_weight, check_finite, diagnose)

@@ -447,6 +447,11 @@ def test_linear_bad_input(device):
         vat.vat_loss_linear(h, w, h.double(), w, tokens, None, valid)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         vat.vat_loss_linear(h, w, h, w, tokens, None, valid, chunk_size=0)
+    bad = h.clone()
+    bad[1, 1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"draft_hidden \(or draft_weight\) has NaN or inf values at valid "
+                                                 r"position \[1, 1\]"):
+        vat.vat_loss_linear(bad, w, h, w, tokens, None, valid)
 
 
 def test_op_level_checks_name_arguments(device):
