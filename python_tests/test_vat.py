@@ -155,6 +155,27 @@ def test_gradcheck(backend, rule, schedule):
     assert torch.autograd.gradcheck(loss, (draft.requires_grad_(True), vh.requires_grad_(True)))
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_gradcheck_row_op_outputs(backend, sample):
+    """Each differentiable output of the row op on its own: ce_soft, ce_hard and draft_lse."""
+    gen = torch.Generator().manual_seed(2)
+    draft, target = (torch.randn(5, 11, generator=gen, dtype=torch.float64) for _ in range(2))
+    tokens = torch.randint(0, 11, (5,), generator=gen)
+    uniforms = torch.rand(5, 2, generator=gen) if sample else None
+    draft, target, tokens = backend.put(draft, target, tokens)
+    uniforms = None if uniforms is None else uniforms.to(backend.device)
+    if backend.name == "emu":
+        from emulated import EmulatedVatKernels
+        kernels = EmulatedVatKernels(backend.ops)
+        row_forward = kernels.row_forward_differentiable
+    else:
+        row_forward = torch.ops.dartree_ext.vat_row_forward
+    for output in (0, 1, 3):
+        def fn(d):
+            return row_forward(d, target, tokens, uniforms, 0.7)[output]
+        assert torch.autograd.gradcheck(fn, (draft.clone().requires_grad_(True),))
+
+
 def test_gradient_formula(backend):
     """d ce_loss / d draft = w (2 q - p - onehot(y)) / #blocks, written out."""
     draft, target, tokens, _, valid = make_inputs(3, 4, 50, dtype=torch.float64, seed=5)
