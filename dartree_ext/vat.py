@@ -33,8 +33,9 @@ Precision: float32 / bfloat16 / float16 logits are read as they are and reduced 
 losses are float32); float64 logits are reduced in float64 (losses float64; for gradcheck).
 Non-finite losses: the wrappers raise :class:`FloatingPointError` naming the cause (NaN / inf logits
 at a valid position, a target token outside the vocabulary, no valid position) when the loss is not
-finite; this reads the loss on the host, i.e. synchronizes on CUDA. ``check_finite=False`` skips it
-(then a bad input gives a NaN loss and nothing synchronizes).
+finite, and ``ValueError`` when no position is valid; this reads the loss on the host, i.e.
+synchronizes on CUDA. ``check_finite=False`` skips both checks and nothing synchronizes: then a bad
+input gives a NaN loss, and a batch without a valid position a loss of 0 (with zero gradients).
 """
 from __future__ import annotations
 
@@ -322,8 +323,9 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         decay_gamma: the decay length of the exponential schedules (> 0).
         vh_weight: the weight of ``vh_loss`` in ``loss``.
         generator: draws the sampling rule's uniforms (see :func:`draw_uniforms`).
-        check_finite: raise :class:`FloatingPointError` (or ``ValueError`` when no position is valid)
-            instead of returning a non-finite loss; synchronizes on CUDA.
+        check_finite: raise :class:`FloatingPointError` instead of returning a non-finite loss, and
+            ``ValueError`` when no position is valid; synchronizes on CUDA. With False: no check, no
+            synchronization (a NaN loss for bad input, 0 for a batch without a valid position).
 
     Non-contiguous logits are copied. Memory beyond the inputs: O(M K) statistics, plus the
     gradient ``[M, K, V]`` in backward; no ``[M, K, V]`` intermediate is saved.
