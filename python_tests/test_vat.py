@@ -92,6 +92,17 @@ def test_matches_reference_dtypes_and_vocab_sizes(backend, dtype, vocab):
             torch.bfloat16, torch.float16) else rtol), atol=max(atol, 1e-4 if dtype != torch.float64 else atol))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_vocabulary(backend, dtype):
+    """V = 49152 (SmolLM2's vocabulary): many tiles of the sampling scan, long per-thread sums."""
+    inputs = make_inputs(2, 3, 49152, dtype=dtype, seed=9, noise=0.3)
+    for rule in ("greedy", "sample"):
+        (ours, g_ours, _), (ref, g_ref, _) = run_both(backend, inputs, rule=rule, temperature=1.3, seed=4)
+        assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+        torch.testing.assert_close(ours.loss.cpu(), ref.loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_ours.cpu().float(), g_ref.float(), rtol=1e-2, atol=1e-7)
+
+
 def test_hand_built_blocks(backend):
     """Greedy acceptance chosen position by position: draft and target argmaxes agree where 1."""
     k, vocab, gamma = 6, 8, 2.0
