@@ -395,9 +395,10 @@ class _LinearVATCE(torch.autograd.Function):
         w_draft, w_target = draft_weight.detach(), target_weight.detach()
         stat = _stat_dtype(draft_hidden.dtype)
         num_blocks = _num_blocks(valid, stat)
-        grad_hidden = torch.empty_like(h_draft)
-        grad_weight = torch.zeros(w_draft.shape, dtype=torch.float32 if stat == torch.float32 else stat,
-                                  device=w_draft.device)
+        need_hidden, need_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(h_draft) if need_hidden else None
+        grad_weight = (torch.zeros(w_draft.shape, dtype=torch.float32 if stat == torch.float32 else stat,
+                                   device=w_draft.device) if need_weight else None)
         total = torch.zeros((), dtype=stat, device=draft_hidden.device)
         first_reject = torch.empty(m, dtype=torch.int32, device=draft_hidden.device)
         accept = torch.empty(m, k, dtype=torch.float32, device=draft_hidden.device)
@@ -415,18 +416,21 @@ class _LinearVATCE(torch.autograd.Function):
             fr, w = kernels.block_weights(acc.view(-1, k), ok, schedule_id, decay_gamma)
             first_reject[b0:b1], accept[b0:b1], weights[b0:b1] = fr, acc.view(-1, k), w
             total += _ce_terms(ce_soft.view(-1, k), ce_hard.view(-1, k), w, ok, schedule_id).sum()
+            if not (need_hidden or need_weight):  # no gradient wanted: the loss only
+                continue
             coef = torch.where(ok, w.to(stat), 0.0).reshape(-1) / num_blocks
             g_soft = torch.zeros_like(coef) if schedule_id == _DFLASH else coef
             grad_logits = kernels.row_backward((g_soft + coef).contiguous(), g_soft.contiguous(), coef.contiguous(),
                                                draft_logits, target_logits, tok, lse_d, lse_t)
             del draft_logits, target_logits
-            torch.matmul(grad_logits, w_draft, out=grad_hidden[r0:r1])
-            if grad_weight.dtype == grad_logits.dtype:
+            if need_hidden:
+                torch.matmul(grad_logits, w_draft, out=grad_hidden[r0:r1])
+            if need_weight and grad_weight.dtype == grad_logits.dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
-            else:  # 16-bit logits: accumulate in float32
+            elif need_weight:  # 16-bit logits: accumulate in float32
                 grad_weight.addmm_(grad_logits.t().float(), h.float())
             del grad_logits
-        ctx.save_for_backward(grad_hidden.view(draft_hidden.shape), grad_weight)
+        ctx.save_for_backward(None if grad_hidden is None else grad_hidden.view(draft_hidden.shape), grad_weight)
         ctx.weight_dtype = draft_weight.dtype
         ctx.mark_non_differentiable(first_reject, accept, weights)
         return total / num_blocks, first_reject, accept, weights
@@ -434,8 +438,8 @@ class _LinearVATCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _g_first_reject, _g_accept, _g_weights):
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_h = grad_hidden * grad_ce.to(grad_hidden.dtype)
-        grad_w = (grad_weight * grad_ce.to(grad_weight.dtype)).to(ctx.weight_dtype)
+        grad_h = None if grad_hidden is None else grad_hidden * grad_ce.to(grad_hidden.dtype)
+        grad_w = None if grad_weight is None else (grad_weight * grad_ce.to(grad_weight.dtype)).to(ctx.weight_dtype)
         return None, grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
@@ -456,7 +460,8 @@ def vat_loss_linear(draft_hidden: torch.Tensor, draft_weight: torch.Tensor, targ
     Chunks of whole blocks are processed in turn: the chunk's logits (two matmuls), the fused row
     kernels, the block weights, the gradient of the chunk's logits, and from it the gradients of the
     hidden states (``g @ W``) and the weight (``+= g^T @ h``, accumulated in float32). The gradients
-    are computed in forward, scaled by the incoming gradient in backward (Liger-Kernel's scheme):
+    are computed in forward (only those of inputs that require a gradient; none under ``torch.no_grad()``),
+    scaled by the incoming gradient in backward (Liger-Kernel's scheme):
     memory beyond the inputs is one chunk's logits and gradient plus ``grad_hidden`` and a float32
     ``[V, Hd]`` weight gradient. The forward therefore costs about what forward + backward of
     :func:`vat_loss` costs. Same sampling uniforms (hence the same acceptance) as :func:`vat_loss`

@@ -285,6 +285,20 @@ def test_linear_equals_materialized(backend, chunk_size, rule, schedule):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
 
 
+def test_linear_gradients_only_where_needed(backend):
+    h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(3, 4, 60, 8, 8, torch.float64, seed=8))
+    full = api(backend).vat_loss_linear(h_d, w_d, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    with torch.no_grad():
+        no_grad = api(backend).vat_loss_linear(h_d, w_d, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    assert torch.equal(full.loss, no_grad.loss)
+    w_only = w_d.clone().requires_grad_(True)
+    out = api(backend).vat_loss_linear(h_d, w_only, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    out.loss.backward()
+    leaves = [h_d.clone().requires_grad_(True), w_d.clone().requires_grad_(True)]
+    api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, vh, valid, chunk_size=4).loss.backward()
+    assert torch.equal(w_only.grad, leaves[1].grad) and leaves[0].grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_low_precision(backend, dtype):
     h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(4, 4, 200, 16, 8, dtype, seed=6))
