@@ -23,3 +23,5 @@ python -m pytest python_tests -q -x
 echo "== benchmarks"
 python bench/ops.py --batch 1 8 32
 python bench/tree.py --device cuda --seq-heap-batch 1
+python bench/vat.py --device cuda --reps 5
+python bench/vat.py --device cuda --reps 5 --dtype bfloat16

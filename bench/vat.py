@@ -12,20 +12,23 @@ Cases (each in a fresh subprocess, so one case's memory cannot hide another's):
 Time: median of --reps forward + backward passes (greedy rule, "vat" schedule, with a verification
 head). Peak memory: what one forward + backward allocates beyond its inputs. On CUDA that is
 torch.cuda.max_memory_allocated() minus the memory allocated before the pass; on the CPU it is the
-growth of the process's peak resident set size (ru_maxrss) over one pass, measured right after the
-inputs were created (an upper bound on the pass's live tensors: allocator slack included).
+peak resident set size during the pass (VmHWM, reset through /proc/self/clear_refs right before it)
+minus the resident set size before it: the pages the pass's tensors touched at their peak, allocator
+slack included (glibc returns large freed blocks to the OS, so freed tensors do not count).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dartree_ext (in-place build)
 
 CASES = ("vat_loss", "reference", "vat_loss_linear", "reference_linear")
 
@@ -35,8 +38,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM) to the current one."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def run_case(args) -> dict:
@@ -88,9 +101,10 @@ def run_case(args) -> dict:
         _sync(device)
         peak = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
     else:
-        before = _maxrss_mib()
+        _reset_peak_rss()
+        before = _status_mib("VmRSS")
         out = step()
-        peak = _maxrss_mib() - before
+        peak = _status_mib("VmHWM") - before
     loss = float(out.loss)
     times = []
     for _ in range(args.reps):

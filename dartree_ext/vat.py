@@ -33,8 +33,9 @@ Precision: float32 / bfloat16 / float16 logits are read as they are and reduced 
 losses are float32); float64 logits are reduced in float64 (losses float64; for gradcheck).
 Non-finite losses: the wrappers raise :class:`FloatingPointError` naming the cause (NaN / inf logits
 at a valid position, a target token outside the vocabulary, no valid position) when the loss is not
-finite; this reads the loss on the host, i.e. synchronizes on CUDA. ``check_finite=False`` skips it
-(then a bad input gives a NaN loss and nothing synchronizes).
+finite, and ``ValueError`` when no position is valid; this reads the loss on the host, i.e.
+synchronizes on CUDA. ``check_finite=False`` skips both checks and nothing synchronizes: then a bad
+input gives a NaN loss, and a batch without a valid position a loss of 0 (with zero gradients).
 """
 from __future__ import annotations
 
@@ -284,12 +285,13 @@ def _finish(op: str, ce_loss, vh_loss, first_reject, accept, weights, valid, vh_
     return out
 
 
-def _diagnose_rows(op: str, draft_rows_finite, target_rows_finite, target_tokens, valid, vocab, vh_logits) -> str:
+def _diagnose_rows(op: str, draft_rows_finite, target_rows_finite, target_tokens, valid, vocab, vh_logits,
+                   names=("draft_logits", "target_logits")) -> str:
     """Names the first valid position whose inputs make the loss non-finite."""
     k = valid.shape[1]
     tokens_bad = valid & ((target_tokens < 0) | (target_tokens >= vocab))
-    for name, bad in (("target_tokens", tokens_bad), ("draft_logits", valid & ~draft_rows_finite()),
-                      ("target_logits", valid & ~target_rows_finite())):
+    for name, bad in (("target_tokens", tokens_bad), (names[0], valid & ~draft_rows_finite()),
+                      (names[1], valid & ~target_rows_finite())):
         if bool(bad.any()):
             index = int(bad.flatten().nonzero()[0, 0])
             m, j = divmod(index, k)
@@ -321,8 +323,9 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         decay_gamma: the decay length of the exponential schedules (> 0).
         vh_weight: the weight of ``vh_loss`` in ``loss``.
         generator: draws the sampling rule's uniforms (see :func:`draw_uniforms`).
-        check_finite: raise :class:`FloatingPointError` (or ``ValueError`` when no position is valid)
-            instead of returning a non-finite loss; synchronizes on CUDA.
+        check_finite: raise :class:`FloatingPointError` instead of returning a non-finite loss, and
+            ``ValueError`` when no position is valid; synchronizes on CUDA. With False: no check, no
+            synchronization (a NaN loss for bad input, 0 for a batch without a valid position).
 
     Non-contiguous logits are copied. Memory beyond the inputs: O(M K) statistics, plus the
     gradient ``[M, K, V]`` in backward; no ``[M, K, V]`` intermediate is saved.
@@ -367,10 +370,13 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
 
 
 def default_chunk_blocks(m: int, k: int, vocab: int, hidden: int) -> int:
-    """Blocks per chunk of :func:`vat_loss_linear`: about ``M K / ceil(V / H)`` rows (Liger-Kernel's
-    rule: a chunk's logits are then about the size of the hidden states), rounded to whole blocks,
-    at least one block."""
-    rows = max(1, (m * k) // max(1, -(-vocab // max(1, hidden))))
+    """Blocks per chunk of :func:`vat_loss_linear`: about ``max(hidden, 256)`` rows, so that a chunk's
+    ``[rows, V]`` logits are about the size of the ``[V, hidden]`` head weight the caller already holds,
+    rounded down to whole blocks (at least one block). Much smaller chunks (Liger-Kernel's rule,
+    ``M K / ceil(V / hidden)`` rows) save little memory here, since the float32 weight gradient is of
+    that size anyway, and cost time: every chunk reads the weights and updates the whole weight
+    gradient once."""
+    rows = max(hidden, 256)
     return max(1, min(m, rows // k))
 
 
@@ -389,9 +395,10 @@ class _LinearVATCE(torch.autograd.Function):
         w_draft, w_target = draft_weight.detach(), target_weight.detach()
         stat = _stat_dtype(draft_hidden.dtype)
         num_blocks = _num_blocks(valid, stat)
-        grad_hidden = torch.empty_like(h_draft)
-        grad_weight = torch.zeros(w_draft.shape, dtype=torch.float32 if stat == torch.float32 else stat,
-                                  device=w_draft.device)
+        need_hidden, need_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(h_draft) if need_hidden else None
+        grad_weight = (torch.zeros(w_draft.shape, dtype=torch.float32 if stat == torch.float32 else stat,
+                                   device=w_draft.device) if need_weight else None)
         total = torch.zeros((), dtype=stat, device=draft_hidden.device)
         first_reject = torch.empty(m, dtype=torch.int32, device=draft_hidden.device)
         accept = torch.empty(m, k, dtype=torch.float32, device=draft_hidden.device)
@@ -409,18 +416,21 @@ class _LinearVATCE(torch.autograd.Function):
             fr, w = kernels.block_weights(acc.view(-1, k), ok, schedule_id, decay_gamma)
             first_reject[b0:b1], accept[b0:b1], weights[b0:b1] = fr, acc.view(-1, k), w
             total += _ce_terms(ce_soft.view(-1, k), ce_hard.view(-1, k), w, ok, schedule_id).sum()
+            if not (need_hidden or need_weight):  # no gradient wanted: the loss only
+                continue
             coef = torch.where(ok, w.to(stat), 0.0).reshape(-1) / num_blocks
             g_soft = torch.zeros_like(coef) if schedule_id == _DFLASH else coef
             grad_logits = kernels.row_backward((g_soft + coef).contiguous(), g_soft.contiguous(), coef.contiguous(),
                                                draft_logits, target_logits, tok, lse_d, lse_t)
             del draft_logits, target_logits
-            torch.matmul(grad_logits, w_draft, out=grad_hidden[r0:r1])
-            if grad_weight.dtype == grad_logits.dtype:
+            if need_hidden:
+                torch.matmul(grad_logits, w_draft, out=grad_hidden[r0:r1])
+            if need_weight and grad_weight.dtype == grad_logits.dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
-            else:  # 16-bit logits: accumulate in float32
+            elif need_weight:  # 16-bit logits: accumulate in float32
                 grad_weight.addmm_(grad_logits.t().float(), h.float())
             del grad_logits
-        ctx.save_for_backward(grad_hidden.view(draft_hidden.shape), grad_weight)
+        ctx.save_for_backward(None if grad_hidden is None else grad_hidden.view(draft_hidden.shape), grad_weight)
         ctx.weight_dtype = draft_weight.dtype
         ctx.mark_non_differentiable(first_reject, accept, weights)
         return total / num_blocks, first_reject, accept, weights
@@ -428,8 +438,8 @@ class _LinearVATCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _g_first_reject, _g_accept, _g_weights):
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_h = grad_hidden * grad_ce.to(grad_hidden.dtype)
-        grad_w = (grad_weight * grad_ce.to(grad_weight.dtype)).to(ctx.weight_dtype)
+        grad_h = None if grad_hidden is None else grad_hidden * grad_ce.to(grad_hidden.dtype)
+        grad_w = None if grad_weight is None else (grad_weight * grad_ce.to(grad_weight.dtype)).to(ctx.weight_dtype)
         return None, grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
@@ -450,7 +460,8 @@ def vat_loss_linear(draft_hidden: torch.Tensor, draft_weight: torch.Tensor, targ
     Chunks of whole blocks are processed in turn: the chunk's logits (two matmuls), the fused row
     kernels, the block weights, the gradient of the chunk's logits, and from it the gradients of the
     hidden states (``g @ W``) and the weight (``+= g^T @ h``, accumulated in float32). The gradients
-    are computed in forward, scaled by the incoming gradient in backward (Liger-Kernel's scheme):
+    are computed in forward (only those of inputs that require a gradient; none under ``torch.no_grad()``),
+    scaled by the incoming gradient in backward (Liger-Kernel's scheme):
     memory beyond the inputs is one chunk's logits and gradient plus ``grad_hidden`` and a float32
     ``[V, Hd]`` weight gradient. The forward therefore costs about what forward + backward of
     :func:`vat_loss` costs. Same sampling uniforms (hence the same acceptance) as :func:`vat_loss`
@@ -519,6 +530,7 @@ def _vat_loss_linear(kernels: Any, draft_hidden, draft_weight, target_hidden, ta
             finite_weight = bool(torch.isfinite(weight).all())
             return lambda: torch.isfinite(hidden.detach()).all(-1) & finite_weight
         return _diagnose_rows(op, rows_finite(draft_hidden, draft_weight), rows_finite(target_hidden, target_weight),
-                              target_tokens, valid, vocab, vh_logits)
+                              target_tokens, valid, vocab, vh_logits,
+                              names=("draft_hidden (or draft_weight)", "target_hidden (or target_weight)"))
 
     return _finish(op, ce_loss, vh_loss, first_reject, accept, weights, valid, vh_weight, check_finite, diagnose)

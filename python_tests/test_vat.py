@@ -92,6 +92,17 @@ def test_matches_reference_dtypes_and_vocab_sizes(backend, dtype, vocab):
             torch.bfloat16, torch.float16) else rtol), atol=max(atol, 1e-4 if dtype != torch.float64 else atol))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_vocabulary(backend, dtype):
+    """V = 49152 (SmolLM2's vocabulary): many tiles of the sampling scan, long per-thread sums."""
+    inputs = make_inputs(2, 3, 49152, dtype=dtype, seed=9, noise=0.3)
+    for rule in ("greedy", "sample"):
+        (ours, g_ours, _), (ref, g_ref, _) = run_both(backend, inputs, rule=rule, temperature=1.3, seed=4)
+        assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+        torch.testing.assert_close(ours.loss.cpu(), ref.loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_ours.cpu().float(), g_ref.float(), rtol=1e-2, atol=1e-7)
+
+
 def test_hand_built_blocks(backend):
     """Greedy acceptance chosen position by position: draft and target argmaxes agree where 1."""
     k, vocab, gamma = 6, 8, 2.0
@@ -153,6 +164,27 @@ def test_gradcheck(backend, rule, schedule):
                   generator=torch.Generator().manual_seed(1)).loss
 
     assert torch.autograd.gradcheck(loss, (draft.requires_grad_(True), vh.requires_grad_(True)))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_gradcheck_row_op_outputs(backend, sample):
+    """Each differentiable output of the row op on its own: ce_soft, ce_hard and draft_lse."""
+    gen = torch.Generator().manual_seed(2)
+    draft, target = (torch.randn(5, 11, generator=gen, dtype=torch.float64) for _ in range(2))
+    tokens = torch.randint(0, 11, (5,), generator=gen)
+    uniforms = torch.rand(5, 2, generator=gen) if sample else None
+    draft, target, tokens = backend.put(draft, target, tokens)
+    uniforms = None if uniforms is None else uniforms.to(backend.device)
+    if backend.name == "emu":
+        from emulated import EmulatedVatKernels
+        kernels = EmulatedVatKernels(backend.ops)
+        row_forward = kernels.row_forward_differentiable
+    else:
+        row_forward = torch.ops.dartree_ext.vat_row_forward
+    for output in (0, 1, 3):
+        def fn(d):
+            return row_forward(d, target, tokens, uniforms, 0.7)[output]
+        assert torch.autograd.gradcheck(fn, (draft.clone().requires_grad_(True),))
 
 
 def test_gradient_formula(backend):
@@ -251,6 +283,20 @@ def test_linear_equals_materialized(backend, chunk_size, rule, schedule):
         assert torch.equal(getattr(out, name), getattr(expected, name)), name
     for ours, ref in zip(leaves, mats):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_linear_gradients_only_where_needed(backend):
+    h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(3, 4, 60, 8, 8, torch.float64, seed=8))
+    full = api(backend).vat_loss_linear(h_d, w_d, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    with torch.no_grad():
+        no_grad = api(backend).vat_loss_linear(h_d, w_d, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    assert torch.equal(full.loss, no_grad.loss)
+    w_only = w_d.clone().requires_grad_(True)
+    out = api(backend).vat_loss_linear(h_d, w_only, h_t, w_t, tokens, vh, valid, chunk_size=4)
+    out.loss.backward()
+    leaves = [h_d.clone().requires_grad_(True), w_d.clone().requires_grad_(True)]
+    api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, vh, valid, chunk_size=4).loss.backward()
+    assert torch.equal(w_only.grad, leaves[1].grad) and leaves[0].grad is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -447,6 +493,11 @@ def test_linear_bad_input(device):
         vat.vat_loss_linear(h, w, h.double(), w, tokens, None, valid)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         vat.vat_loss_linear(h, w, h, w, tokens, None, valid, chunk_size=0)
+    bad = h.clone()
+    bad[1, 1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"draft_hidden \(or draft_weight\) has NaN or inf values at valid "
+                                                 r"position \[1, 1\]"):
+        vat.vat_loss_linear(bad, w, h, w, tokens, None, valid)
 
 
 def test_op_level_checks_name_arguments(device):
