@@ -320,13 +320,15 @@ class BlockDrafter(nn.Module):
         return self.correction_head.export(self.embedding, dtype)
 
     # persistence ---------------------------------------------------------------------------
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """``path/dartree_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights)."""
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """``path/dartree_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights,
+        cast to ``dtype`` if given, e.g. bfloat16 to halve a shipped file)."""
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
+                   for k, v in self.state_dict().items()},
                   os.path.join(path, WEIGHTS_NAME))
 
     @classmethod

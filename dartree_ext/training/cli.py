@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-only", action="store_true", help="stop after generating the response cache")
     p.add_argument("--target-dtype-train", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-features", action="store_true",
-                   help="compute the target's hidden states once (OUT/features/) instead of at every step")
+                   help="compute the target's hidden states once (features/ next to the data cache) instead "
+                        "of at every step")
     p.add_argument("--init", default=None, help="start from this drafter directory instead of a fresh one")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=1)
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     features = None
     if args.cache_features:
         from .features import FeatureCache
-        feat_dir = os.path.join(args.out, "features")
+        feat_dir = os.path.join(os.path.dirname(os.path.abspath(data_path)), "features")  # shared by runs on this data
         if rank == 0:
             FeatureCache.build(target, drafter.config.target_layer_ids, [s for s, _ in sampler.seqs], feat_dir)
         if world > 1:

@@ -40,8 +40,8 @@ class FeatureCache:
             chunk = seqs[start:start + batch_size]
             shard = os.path.join(path, f"shard_{start // batch_size:05d}.pt")
             data = torch.load(shard) if os.path.exists(shard) else None
-            if data is not None and data["tokens"] != chunk:
-                log.warning("%s holds other sequences (the data changed?): recomputing it", shard)
+            if data is not None and (data["tokens"] != chunk or tuple(data.get("layer_ids", ())) != tuple(layer_ids)):
+                log.warning("%s holds other sequences or layers (the data changed?): recomputing it", shard)
                 data = None
             if data is None:
                 width = max(len(s) for s in chunk)
@@ -53,7 +53,7 @@ class FeatureCache:
                 with torch.no_grad():
                     out = base(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
                 feats = torch.cat([out.hidden_states[i] for i in layer_ids], -1)
-                data = {"tokens": chunk,
+                data = {"tokens": chunk, "layer_ids": list(layer_ids),
                         "features": [feats[r, :len(s)].half().cpu() for r, s in enumerate(chunk)],
                         "final": [out.last_hidden_state[r, :len(s)].half().cpu() for r, s in enumerate(chunk)]}
                 tmp = shard + ".tmp"
