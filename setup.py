@@ -95,5 +95,6 @@ setup(
     entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main",
                                       "dartree-generate=dartree_ext.cli:generate_main",
                                       "dartree-train=dartree_ext.training.cli:main"]},
+    package_data={"dartree_ext": ["drafters/*/*.json", "drafters/*/*.safetensors"]},
     zip_safe=False,
 )

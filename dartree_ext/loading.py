@@ -66,6 +66,28 @@ def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: 
     return Loaded(model, AutoTokenizer.from_pretrained(spec), os.path.basename(os.path.normpath(spec)))
 
 
+SHIPPED_DRAFTERS = {"SmolLM2-135M-Instruct": "smollm2-135m-vat"}
+
+
+def shipped_drafter(target_name: str) -> str | None:
+    """The directory of the drafter shipped in the package for this target, if any."""
+    name = SHIPPED_DRAFTERS.get(target_name)
+    if name is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters", name)
+    return path if os.path.isfile(os.path.join(path, "dartree_drafter.json")) else None
+
+
+def default_target() -> str:
+    """``"smollm2"`` when its package is installed and a drafter for it ships here, else ``"tiny"``."""
+    try:
+        from .data.smollm2 import gguf_file
+        gguf_file()
+    except (ImportError, FileNotFoundError):
+        return "tiny"
+    return "smollm2" if shipped_drafter("SmolLM2-135M-Instruct") else "tiny"
+
+
 def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1) -> BlockDrafter:
     """A saved drafter (directory) attached to ``target``, or with ``None`` a freshly
     initialised one (random: expect almost no accepted tokens)."""

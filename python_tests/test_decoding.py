@@ -220,3 +220,16 @@ def test_bad_input(setup):
         dec.generate(torch.tensor([[5, 200]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="at least one token"):
         dec.generate(torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_greedy_several_seeds(seed):
+    """Other targets, drafters and prompts (B = 2), every tree method against HF greedy."""
+    target = tiny_target("llama", seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 97, (int(n),), generator=gen) for n in torch.randint(1, 12, (2,), generator=gen)]
+    refs = [greedy_reference(target, p, 16) for p in prompts]
+    drafter = OracleDrafter(tiny_drafter(target, seed=seed), [torch.cat([p, r]) for p, r in zip(prompts, refs)],
+                            miss=0.5, seed=seed)
+    for method in ("chain_corrected", "ddtree", "dartree", "dartree_fixed"):
+        check_greedy(SpeculativeDecoder(target, drafter, method, budget=12, width=3, K=6), prompts, refs, 16)

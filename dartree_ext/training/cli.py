@@ -44,6 +44,9 @@ BUILTIN_PROMPTS = [
 def read_prompts(path: str | None) -> list[str]:
     if not path:
         return BUILTIN_PROMPTS
+    if path == "shipped":  # the packages' data disjoint from GSM8K / HumanEval / MT-Bench (dartree_ext.data)
+        from ..data.prompts import training_prompts
+        return [p.text for p in training_prompts(max_chars=1200)]
     with open(path) as f:
         if path.endswith(".jsonl"):
             return [json.loads(line)["prompt"] for line in f if line.strip()]
@@ -53,7 +56,8 @@ def read_prompts(path: str | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dartree-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="tiny", help="'tiny' or a local HF model directory")
-    p.add_argument("--prompts", default=None, help="prompts file (.txt one per line, or .jsonl with 'prompt')")
+    p.add_argument("--prompts", default=None, help="prompts file (.txt one per line, or .jsonl with 'prompt'), or 'shipped' (the "
+                   "installed packages' prompts disjoint from the evaluation sets, at most 1200 characters)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--data", default=None, help="response cache (JSON lines); default OUT/data.jsonl")
     p.add_argument("--out", required=True, help="output directory (checkpoint, log, drafter/)")
