@@ -15,7 +15,8 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
 
 def test_generate_cli(capsys):
-    assert generate_main(["--max-new-tokens", "6", "--compare-ar", "--budget", "16", "--prompt", "hi"]) == 0
+    assert generate_main(["--target", "tiny", "--max-new-tokens", "6", "--compare-ar", "--budget", "16",
+                          "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{"):])
     assert summary["new_tokens"] == 6 and summary["same_output_as_ar"] is True
@@ -25,8 +26,8 @@ def test_generate_cli(capsys):
 def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("first prompt\nsecond, longer prompt\n")
-    assert generate_main(["--prompt-file", str(prompts), "--max-new-tokens", "5", "--temperature", "0.8",
-                          "--method", "ddtree", "--budget", "8"]) == 0
+    assert generate_main(["--target", "tiny", "--prompt-file", str(prompts), "--max-new-tokens", "5",
+                          "--temperature", "0.8", "--method", "ddtree", "--budget", "8"]) == 0
     out = capsys.readouterr().out
     assert "--- prompt 1: second, longer prompt" in out
 
@@ -44,3 +45,16 @@ def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
     rows = json.load(open(result))
     assert [r["method"] for r in rows] == ["ar", "chain", "dartree"]
     assert all(r["same_as_ar"] for r in rows) and rows[2]["tau"] > 1.5
+
+
+def test_default_target_uses_the_shipped_drafter():
+    from dartree_ext.loading import default_target, shipped_drafter
+    path = shipped_drafter("SmolLM2-135M-Instruct")
+    assert path is not None and os.path.getsize(os.path.join(path, "model.safetensors")) < 25 * 2 ** 20
+    try:
+        from dartree_ext.data.smollm2 import gguf_file
+        gguf_file()
+        installed = True
+    except (ImportError, FileNotFoundError):
+        installed = False
+    assert default_target() == ("smollm2" if installed else "tiny")
