@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
+from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad  # noqa: E402
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 
@@ -61,13 +61,7 @@ def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
 
 
 def batch_of(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
-    return ids, mask
+    return left_pad(prompts)
 
 
 def run(target, drafter, method: str, groups: list[list[list[int]]], params: Params, temperature: float,

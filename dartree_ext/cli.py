@@ -93,7 +93,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     import json
     import time
 
-    from .decoding import METHODS, SpeculativeDecoder
+    from .decoding import METHODS, SpeculativeDecoder, left_pad
     from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
@@ -134,12 +134,8 @@ def generate_main(argv: list[str] | None = None) -> int:
         with open(args.prompt_file) as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
     prompts = [encode_prompt(tok, t, chat=not args.no_chat) for t in texts]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_pad(prompts)
+    width = ids.shape[1]
     stops = stop_tokens(tok, target)
 
     def run(method):

@@ -1,6 +1,6 @@
 """Lossless speculative decoding with draft trees for HuggingFace causal LMs."""
 from .cache import compact_cache_, select_requests_
-from .decoder import METHODS, DecodingStats, GenerationOutput, RequestStats, SpeculativeDecoder
+from .decoder import METHODS, DecodingStats, GenerationOutput, RequestStats, SpeculativeDecoder, left_pad
 
 __all__ = ["METHODS", "DecodingStats", "GenerationOutput", "RequestStats", "SpeculativeDecoder", "compact_cache_",
-           "select_requests_"]
+           "left_pad", "select_requests_"]

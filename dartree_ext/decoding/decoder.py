@@ -111,6 +111,19 @@ class GenerationOutput:
     stats: DecodingStats
 
 
+def left_pad(prompts, pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids int64[B, L], attention_mask int64[B, L])`` for token-id lists of different
+    lengths, padded on the left (what :meth:`SpeculativeDecoder.generate` and HF expect)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        if len(p):
+            ids[b, width - len(p):] = torch.as_tensor(p, dtype=torch.int64)
+            mask[b, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def _text_config(target):
     cfg = target.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -57,7 +57,7 @@ def generate_responses(target, prompts: list[tuple[str, list[int]]], path: str, 
     """The target's responses to ``prompts`` (``(id, token ids)`` pairs), appended to ``path``
     batch by batch; prompts already in ``path`` are skipped, so a killed run resumes. Returns
     every record of ``path`` in prompt order."""
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import SpeculativeDecoder, left_pad
     cached = read_records(path)
     _rewrite_if_torn(path, cached)
     done = {r["id"]: r for r in cached}
@@ -77,12 +77,8 @@ def generate_responses(target, prompts: list[tuple[str, list[int]]], path: str, 
         todo.sort(key=lambda item: -len(item[1]))
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            width = max(len(ids) for _, ids in chunk)
-            input_ids = torch.zeros(len(chunk), width, dtype=torch.int64)
-            mask = torch.zeros_like(input_ids)
-            for b, (_, ids) in enumerate(chunk):
-                input_ids[b, width - len(ids):] = torch.tensor(ids)
-                mask[b, width - len(ids):] = 1
+            input_ids, mask = left_pad([ids for _, ids in chunk])
+            width = input_ids.shape[1]
             gen = torch.Generator(device=device).manual_seed(seed + start)
             out = decoder.generate(input_ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
                                    stop_token_ids=stop_token_ids, generator=gen)
