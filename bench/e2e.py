@@ -22,7 +22,10 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:  # the installed package; else the source tree (with an in-place build)
+    import dartree_ext  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad  # noqa: E402
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402

@@ -33,11 +33,12 @@ def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
 
 
 def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
+    saved = list(sys.path)
     sys.path.insert(0, BENCH)
     try:
         import e2e
     finally:
-        sys.path.remove(BENCH)
+        sys.path[:] = saved  # later tests (and processes they spawn) must not see the source tree
     result = tmp_path / "r.json"
     code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--drafter", "lookup",
                      "--methods", "chain,dartree", "--json", str(result)])
