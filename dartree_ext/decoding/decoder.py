@@ -318,8 +318,8 @@ class SpeculativeDecoder:
             compact_cache_(cache, (cache_len + nodes).contiguous(), length.contiguous(), lengths,
                            new_length=int((length + lengths).max()))
             if need_ctx:
-                feats = drafter.target_features(tuple(h.gather(1, nodes[..., None].expand(-1, -1, h.shape[-1]))
-                                                      for h in out.hidden_states))
+                feats = drafter.target_features(out.hidden_states)  # only the chosen layers, then the path
+                feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
                 new_ctx = drafter.project_context(feats)
                 grow = int((length + lengths).max()) - context.shape[1]
                 if grow > 0:
