@@ -10,6 +10,11 @@ output equals ``ar``'s (at T = 0 it must: the script exits 1 otherwise).
     python bench/e2e.py --target smollm2 --drafter DIR --sets gsm8k,humaneval,mtbench \\
         --num-prompts 10 --temperatures 0,1 --json bench/results/e2e.json
     python bench/e2e.py ... --sweep width=4,8,12,16 --methods dartree   # tau vs W (also budget=, beta=)
+    python bench/e2e.py ... --drafter vat=DIR1,dflash=DIR2 --methods chain,dartree  # drafters side by side
+
+With several drafters (``label=DIR,...``) every method runs once per drafter, named
+``method@label``. The run ends with a summary over the sets: per method and temperature, the mean
+over sets of tau and of the speedup (what the README tables quote).
 """
 from __future__ import annotations
 
@@ -102,6 +107,47 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
                 peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None, outputs=outputs)
 
 
+def parse_drafters(spec: str) -> list[tuple[str, str]]:
+    """``random`` / ``lookup`` / ``DIR`` -> one unlabelled drafter; ``a=DIR1,b=DIR2`` -> several."""
+    if "=" not in spec:
+        return [("", spec)]
+    pairs = []
+    for item in spec.split(","):
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"--drafter: expected label=DIR[,label=DIR...], got {item!r}")
+        pairs.append((label, path))
+    if len({label for label, _ in pairs}) != len(pairs):
+        raise SystemExit(f"--drafter: repeated label in {spec!r}")
+    return pairs
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Mean over prompt sets of tau, macro tau and speedup, per (method, temperature)."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["method"], r["temperature"]), []).append(r)
+    rows = []
+    for (method, temperature), rs in groups.items():
+        n = len(rs)
+        rows.append(dict(method=method, temperature=temperature, sets=[r["set"] for r in rs],
+                         tau={r["set"]: r["tau"] for r in rs}, mean_tau=sum(r["tau"] for r in rs) / n,
+                         mean_tau_macro=sum(r["tau_macro"] for r in rs) / n,
+                         mean_speedup=sum(r["speedup"] for r in rs) / n,
+                         prompts=sum(r["prompts"] for r in rs),
+                         all_same_as_ar=all(r["same_as_ar"] for r in rs) if temperature == 0 else None))
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print("\n[summary: mean over sets]")
+    print(f"{'method':28s} {'T':>4s} {'prompts':>7s} {'mean_tau':>8s} {'tau_mac':>7s} {'speedup':>7s} same_as_ar  per set")
+    for r in rows:
+        per_set = " ".join(f"{k}={v:.3f}" for k, v in r["tau"].items())
+        print(f"{r['method']:28s} {r['temperature']:4g} {r['prompts']:7d} {r['mean_tau']:8.3f} "
+              f"{r['mean_tau_macro']:7.3f} {r['mean_speedup']:7.3f} {str(r['all_same_as_ar']):10s} {per_set}")
+
+
 def print_table(title: str, results: list[dict]) -> None:
     ar = next(r for r in results if r["method"] == "ar")
     print(title)
@@ -119,7 +165,8 @@ def print_table(title: str, results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tiny", help="'tiny', 'smollm2' or a local HF model directory")
-    parser.add_argument("--drafter", default="random", help="a drafter directory, 'random' or 'lookup'")
+    parser.add_argument("--drafter", default="random",
+                        help="a drafter directory, 'random', 'lookup', or label=DIR,label=DIR,... to compare drafters")
     parser.add_argument("--lookup-miss", type=float, default=0.3)
     parser.add_argument("--sets", default="default", help="comma list: default, gsm8k, humaneval, mtbench, or files")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
@@ -141,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     target, tok = loaded.target, loaded.tokenizer
     stops = stop_tokens(tok, target)
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
-    base = None if args.drafter in ("random", "lookup") else args.drafter
-    drafter = load_drafter(base, target)
+    drafters = [(label, load_drafter(None if spec in ("random", "lookup") else spec, target))
+                for label, spec in parse_drafters(args.drafter)]
+    lookup = args.drafter == "lookup"
     temps = [float(t) for t in args.temperatures.split(",")]
     base_params = Params(args.budget, args.width, args.K, args.depth_bonus)
     variants = [base_params]
@@ -160,18 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [encode_prompt(tok, t) for t in texts]
         groups = [prompts] if args.batch else [[p] for p in prompts]
         # warm-up: one-time costs (allocator, first kernel calls) stay out of the figures
-        SpeculativeDecoder(target, drafter, "dartree").generate(*batch_of(groups[0]), max_new_tokens=4)
+        SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*batch_of(groups[0]), max_new_tokens=4)
         for temperature in temps:
             ar = run(target, None, "ar", groups, base_params, temperature, args.max_new_tokens, stops, args.device)
-            used = drafter
-            if args.drafter == "lookup":
-                refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]
-                used = LookupDrafter(drafter, refs, miss=args.lookup_miss)
             results = [ar]
-            for params in variants:
-                for method in methods:
-                    results.append(run(target, used, method, groups, params, temperature, args.max_new_tokens, stops,
-                                       args.device))
+            for label, drafter in drafters:
+                if lookup:
+                    refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]
+                    drafter = LookupDrafter(drafter, refs, miss=args.lookup_miss)
+                for params in variants:
+                    for method in methods:
+                        r = run(target, drafter, method, groups, params, temperature, args.max_new_tokens, stops,
+                                args.device)
+                        r["drafter"] = label or args.drafter
+                        if label:
+                            r["method"] = f"{method}@{label}"
+                        results.append(r)
             for r in results:
                 r["set"], r["prompts"] = set_name, len(prompts)
                 r["speedup"] = ar["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
@@ -187,10 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r['method']}:{','.join(f'{k}={v}' for k, v in r['params'].items())}"
             print_table(label, results)
             everything += results
+    summary = summarize(everything)
+    print_summary(summary)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in everything], f, indent=1)
+        with open(os.path.splitext(args.json)[0] + ".summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
     if failed:
         print(f"ERROR: outputs differ from ar at T = 0 for {failed}")
         return 1

@@ -32,13 +32,18 @@ def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
     assert "--- prompt 1: second, longer prompt" in out
 
 
-def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
+def _e2e():
     saved = list(sys.path)
     sys.path.insert(0, BENCH)
     try:
         import e2e
     finally:
         sys.path[:] = saved  # later tests (and processes they spawn) must not see the source tree
+    return e2e
+
+
+def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
+    e2e = _e2e()
     result = tmp_path / "r.json"
     code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--drafter", "lookup",
                      "--methods", "chain,dartree", "--json", str(result)])
@@ -46,6 +51,30 @@ def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
     rows = json.load(open(result))
     assert [r["method"] for r in rows] == ["ar", "chain", "dartree"]
     assert all(r["same_as_ar"] for r in rows) and rows[2]["tau"] > 1.5
+    summary = {r["method"]: r for r in json.load(open(tmp_path / "r.summary.json"))}
+    assert summary["dartree"]["mean_tau"] == pytest.approx(rows[2]["tau"]) and summary["ar"]["mean_speedup"] == 1.0
+
+
+def test_e2e_bench_compares_drafters_side_by_side(tmp_path, capsys):
+    from dartree_ext.loading import load_drafter, load_target
+    e2e = _e2e()
+    target = load_target("tiny").target
+    dirs = []
+    for seed in (1, 2):
+        d = tmp_path / f"d{seed}"
+        load_drafter(None, target, seed=seed).save_pretrained(str(d))
+        dirs.append(str(d))
+    result = tmp_path / "r.json"
+    code = e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "8", "--methods", "chain",
+                     "--drafter", f"one={dirs[0]},two={dirs[1]}", "--json", str(result)])
+    assert code == 0
+    rows = json.load(open(result))
+    assert [r["method"] for r in rows] == ["ar", "chain@one", "chain@two"]
+    assert [r.get("drafter") for r in rows[1:]] == ["one", "two"]
+    with pytest.raises(SystemExit, match="label=DIR"):
+        e2e.parse_drafters("one=,two=x")
+    with pytest.raises(SystemExit, match="repeated"):
+        e2e.parse_drafters("a=x,a=y")
 
 
 def test_default_target_uses_the_shipped_drafter():
