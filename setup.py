@@ -62,7 +62,7 @@ def _extension():
         ("DARTREE_PYTHON_MODULE", None),
         ("DARTREE_TORCH_VERSION", f'"{torch.__version__}"'),
     ]
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp-simd", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-trapping-math", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     if not with_cuda:
         return CppExtension("dartree_ext._C", sources, define_macros=define_macros,
                             extra_compile_args={"cxx": cxx_flags})
