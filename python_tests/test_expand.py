@@ -80,6 +80,31 @@ def test_build_supertree(backend, dtype, depth, k, widths):
             assert p < 0 or scores[b, i] <= scores[b, p]
 
 
+@pytest.mark.parametrize("scale", [30.0, 1e4])
+def test_saturated_gates(backend, scale):
+    # gate pre-activations far outside [-88, 88] (the CPU kernel's own exp clamps there) and exactly 0:
+    # sigmoid / tanh must saturate to 0, 1 / -1, 1 like torch's, with no NaN or inf in the states
+    batch, depth, k, widths = 2, 3, 5, [4, 4, 4]
+    head, z, cand_ids, cand_base, root_state = make_inputs(batch, depth, k, torch.float32, seed=7)
+    head.gru_table.mul_(scale)
+    head.w_hh.mul_(scale)
+    head.gru_table[::3].zero_()
+    expected = reference.build_supertree(head, z, cand_ids, cand_base, root_state, widths, -0.2)
+    actual = backend.ops.build_supertree(head_on(head, backend.device),
+                                         *backend.put(z, cand_ids, cand_base, root_state), widths, -0.2)
+    assert all(torch.isfinite(t.float()[t.float() > -float("inf")]).all() for t in expected)
+    assert_expansion_close(actual, expected)
+    gen = torch.Generator().manual_seed(2)
+    parent_states = torch.randn(batch, 3, G, generator=gen)  # the scaled weights saturate the gates already;
+    parent_scores = -torch.tensor([[0.0, 0.3, 0.7], [0.1, 0.5, 0.9]])  # distinct: no float-rounding ties
+    args = (z[:, 0].contiguous(), cand_ids[:, 0].contiguous(), cand_base[:, 0].contiguous(), parent_states,
+            parent_scores, torch.tensor([3, 2], dtype=torch.int32))
+    expected = reference.expand_depth(head, *args, 6, -0.2)
+    actual = backend.ops.expand_depth(head_on(head, backend.device), *backend.put(*args), 6, -0.2)
+    assert torch.isfinite(expected[4]).all()
+    assert_expansion_close(actual, expected)
+
+
 def test_full_supertree_pruned_equals_seq_heap():
     # widths K, K^2, K^3 hold every node: the global top-B is then exactly the sequential heap
     batch, depth, k, budget = 2, 3, 3, 10
