@@ -1,0 +1,95 @@
+"""How good is a drafter, and does decoding see the drafter that training saw?
+
+For each response, the teacher-forced top-1 accuracy of the drafter's base logits at block
+positions 1..P (the block rooted at every response token, context = the target's states before
+it, exactly as in training), next to ``chain`` decoding's accepted tokens per round on the same
+prompt. Chain accepts position 1 exactly when the teacher-forced top-1 is right at the round's
+root, so the two columns must agree up to which roots the rounds land on; a gap would mean
+decoding feeds the drafter something training did not.
+
+    python bench/drafter_accuracy.py                                  # shipped drafter, SmolLM2
+    python bench/drafter_accuracy.py --drafter runs/x/drafter --num 4 --positions 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+try:  # the installed package; else the source tree (with an in-place build)
+    import dartree_ext  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
+from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(target, drafter, seq: list[int], start: int, positions: int) -> list[float]:
+    """Top-1 accuracy at block positions 1..``positions`` over the anchors ``start..len-2``."""
+    ids = torch.tensor(seq, device=next(target.parameters()).device)[None]
+    out = getattr(target, target.base_model_prefix)(input_ids=ids, output_hidden_states=True)
+    context = drafter.project_context(drafter.target_features(out.hidden_states))
+    length = ids.shape[1]
+    slots = torch.arange(length, device=ids.device)[None]
+    anchors = torch.arange(start, length - 1, device=ids.device)
+    if anchors.numel() == 0:
+        return [float("nan")] * positions
+    draft = drafter(ids[0, anchors], anchors, context.expand(len(anchors), -1, -1), slots.expand(len(anchors), -1),
+                    slots < anchors[:, None])
+    pred = draft.base_logits.argmax(-1)  # [A, D - 1]: position k predicts seq[anchor + k]
+    acc = []
+    for k in range(1, positions + 1):
+        pos = anchors + k
+        ok = pos < length
+        hits = pred[ok, k - 1] == ids[0, pos[ok]]
+        acc.append(hits.float().mean().item() if ok.any() else float("nan"))
+    return acc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=os.path.join(HERE, "..", "dartree_ext", "drafters", "smollm2-135m-vat"))
+    p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2_responses.jsonl"),
+                   help="training responses (JSON lines with 'prompt' and 'response' token ids)")
+    p.add_argument("--sets", default="gsm8k,humaneval,mtbench")
+    p.add_argument("--num", type=int, default=2, help="responses per training file / evaluation set")
+    p.add_argument("--positions", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    args = p.parse_args(argv)
+    loaded = load_target(args.target)
+    target, tok = loaded.target, loaded.tokenizer
+    drafter = load_drafter(args.drafter, target).float()
+    stops = stop_tokens(tok, target)
+    cols = " ".join(f"{'pos' + str(k):>6s}" for k in range(1, args.positions + 1))
+    print(f"{'source':24s} {'anchors':>7s} {cols} {'chain accepted/round':>20s}")
+    if args.data and os.path.exists(args.data):
+        with open(args.data) as f:
+            records = [json.loads(line) for _, line in zip(range(args.num), f)]
+        for r in records:
+            acc = teacher_forced_accuracy(target, drafter, r["prompt"] + r["response"], len(r["prompt"]), args.positions)
+            print(f"{'train ' + str(r.get('id', '')):24s} {len(r['response']) - 1:7d} "
+                  f"{' '.join(f'{a:6.3f}' for a in acc)} {'-':>20s}")
+    from dartree_ext.data import prompts as shipped
+    for name in [s for s in args.sets.split(",") if s]:
+        for i, item in enumerate(getattr(shipped, name)()[:args.num]):
+            ids = encode_prompt(tok, item.text)
+            out = SpeculativeDecoder(target, drafter, "chain").generate(
+                torch.tensor([ids]), max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+            resp = out.sequences[0, len(ids):len(ids) + out.stats.requests[0].new_tokens].tolist()
+            acc = teacher_forced_accuracy(target, drafter, ids + resp, len(ids), args.positions)
+            rs = out.stats.requests[0]
+            print(f"{name + ' ' + str(i):24s} {len(resp) - 1:7d} {' '.join(f'{a:6.3f}' for a in acc)} "
+                  f"{sum(rs.accepted) / rs.rounds:20.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
