@@ -68,10 +68,6 @@ def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
     return sets
 
 
-def batch_of(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return left_pad(prompts)
-
-
 def run(target, drafter, method: str, groups: list[list[list[int]]], params: Params, temperature: float,
         max_new_tokens: int, stops: list[int], device: str, seed: int = 0) -> dict:
     dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
@@ -81,7 +77,7 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for g, group in enumerate(groups):
-        ids, mask = batch_of(group)
+        ids, mask = left_pad(group)
         gen = torch.Generator(device=device).manual_seed(seed + g)
         out = dec.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
                            generator=gen)
@@ -208,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [encode_prompt(tok, t) for t in texts]
         groups = [prompts] if args.batch else [[p] for p in prompts]
         # warm-up: one-time costs (allocator, first kernel calls) stay out of the figures
-        SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*batch_of(groups[0]), max_new_tokens=4)
+        SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*left_pad(groups[0]), max_new_tokens=4)
         for temperature in temps:
             ar = run(target, None, "ar", groups, base_params, temperature, args.max_new_tokens, stops, args.device)
             results = [ar]

@@ -33,9 +33,10 @@ for step in "${steps[@]}"; do
     sweeps)
       for sweep in width=4,8,12,16 budget=32,64,128 depth_bonus=-0.3,-0.2,-0.1,0; do
         name=${sweep%%=*}
-        methods=dartree
+        methods=dartree prompts=${SWEEP_PROMPTS:-3}
         [ "$name" = budget ] && methods=ddtree,dartree
-        $E2E --drafter "$DRAFTER" --num-prompts "${SWEEP_PROMPTS:-1}" --temperatures 0 --max-new-tokens 32 \
+        [ "$name" = depth_bonus ] && prompts=${BETA_PROMPTS:-1}   # flat with this drafter: 1 prompt per set
+        $E2E --drafter "$DRAFTER" --num-prompts "$prompts" --temperatures 0 --max-new-tokens 32 \
           --methods $methods --sweep "$sweep" --json $OUT/e2e_smollm2_sweep_$name.json
       done ;;
     plots) $PY bench/plots.py $OUT/e2e_smollm2_t0.json --out docs/figures \

@@ -46,6 +46,15 @@ inline float vexp(float x) {
 inline float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 inline float vtanh(float x) { return 2.0f / (1.0f + vexp(-2.0f * x)) - 1.0f; }
 
+// A gru_table row as float32: float rows as they are, 16-bit ones widened into `buffer` first, so
+// that the gate loop vectorizes (the c10 16-bit conversions inside it kept it scalar).
+inline const float* as_float(const float* row, int64_t, float*) { return row; }
+template <typename T>
+const float* as_float(const T* row, int64_t n, float* buffer) {
+  for (int64_t j = 0; j < n; ++j) buffer[j] = static_cast<float>(row[j]);
+  return buffer;
+}
+
 // h' = (1 - u) n + u h with r, u, n from the input gates gi (a gru_table row) and hidden gates gh.
 inline void gru_cell(const float* gi, const float* gh, const float* h, float* out, int64_t g) {
 #pragma omp simd
@@ -180,8 +189,6 @@ at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.gru_table.scalar_type(), "expand_batch", [&] {
     const scalar_t* table = w.gru_table.data_ptr<scalar_t>();
     at::parallel_for(0, batch * width, 1, [&](int64_t begin, int64_t end) {
-      // 16-bit tables: the row is widened to float32 first, so that the gate loop vectorizes
-      // (the c10 16-bit conversions inside it kept it scalar)
       std::vector<float> row(std::is_same_v<scalar_t, float> ? 0 : 3 * g);
       for (int64_t i = begin; i < end; ++i) {
         float* state_out = cs + i * g;
@@ -193,12 +200,7 @@ at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tens
         const float* h = st + chosen_parent[i] * g;
         const float* gates = gh.data_ptr<float>() + gate_row[i] * 3 * g;
         const scalar_t* gi = table + out.tokens[b * out.stride + i % width] * 3 * g;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          gru_cell(reinterpret_cast<const float*>(gi), gates, h, state_out, g);  // no-op cast (not a template)
-        } else {
-          for (int64_t j = 0; j < 3 * g; ++j) row[j] = static_cast<float>(gi[j]);
-          gru_cell(row.data(), gates, h, state_out, g);
-        }
+        gru_cell(as_float(gi, 3 * g, row.data()), gates, h, state_out, g);
       }
     });
   });
