@@ -64,6 +64,17 @@ def test_training_prompts(P):
     assert len({P._norm(p.text) for p in train}) == len(train)
     assert len({p.source.split("/")[0] for p in train[:50]}) >= 4  # interleaved kinds
     assert [p.id for p in P.training_prompts(20)] == [p.id for p in train[:20]]
+    # the code and math prompts come after every prompt of the five original sources, so the
+    # numbering those had (the committed response cache's p0 ... p602) never changes
+    kinds = [p.source.split("/")[0] for p in train]
+    first_new = min(i for i, k in enumerate(kinds) if k in ("stdlib-code", "math-word-problems"))
+    assert set(kinds[first_new:]) == {"stdlib-code", "math-word-problems"}
+    assert kinds.count("stdlib-code") >= 300 and kinds.count("math-word-problems") >= 250
+    short = P.training_prompts(max_chars=1200)   # what dartree-train --prompts shipped reads
+    first_short = min(i for i, p in enumerate(short) if p.source in ("stdlib-code", "math-word-problems"))
+    assert first_short == 603 and [p.id for p in short[first_short:]] == [p.id for p in train[first_new:]]
+    code = next(p for p in train if p.source == "stdlib-code")
+    assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
 
 
 def test_near_duplicate_detector(P):

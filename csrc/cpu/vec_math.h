@@ -1,0 +1,59 @@
+// Float32 math for CPU loops the compiler vectorizes: a polynomial exp (libm's expf / tanhf are
+// scalar calls) and widening of 16-bit rows into a float buffer (the c10 16-bit conversions inside
+// a loop keep it scalar). Used by the expansion (GRU gates) and the VAT row kernels. The loops
+// vectorize only with -fno-trapping-math (set in setup.py and CMakeLists.txt): otherwise GCC keeps
+// the clamp's float compares as branches.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+// Functions marked DARTREE_SIMD_CLONES are compiled twice, for AVX2 + FMA and for the baseline
+// x86-64 (SSE2) the build targets, and the loader picks one for the CPU it runs on (GCC's
+// target_clones); vexp and friends are inlined into each. Elsewhere it is empty.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__CUDACC__)
+#define DARTREE_SIMD_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define DARTREE_SIMD_CLONES
+#endif
+// Always inlined (GCC otherwise sometimes leaves vexp a call inside a clone, and the loop scalar).
+#if defined(__GNUC__)
+#define DARTREE_VEC_INLINE inline __attribute__((always_inline))
+#else
+#define DARTREE_VEC_INLINE inline
+#endif
+
+namespace dartree {
+
+// Round-to-nearest range reduction x = n ln2 + r with a two-part ln2, Cephes' degree-6 polynomial
+// for e^r, 2^n built in the exponent bits. Relative error about 1.2e-7 over the clamped range
+// [-87, 88] (tested against torch); below -87 it returns e^-87 (about 1.6e-38), never 0, so callers
+// that need exp(-inf) = 0 select it themselves.
+DARTREE_VEC_INLINE float vexp(float x) {
+  x = x < -87.0f ? -87.0f : x;  // (not std::min / max: GCC may leave those calls in a clone's loop)
+  x = x > 88.0f ? 88.0f : x;    // NaN passes through both
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23: rounds to nearest
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * std::bit_cast<float>(bits);
+}
+
+DARTREE_VEC_INLINE float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
+DARTREE_VEC_INLINE float vtanh(float x) { return 2.0f / (1.0f + vexp(-2.0f * x)) - 1.0f; }
+
+// n values as float32: float rows as they are, others (16-bit) widened into `buffer` first.
+inline const float* as_float(const float* row, int64_t, float*) { return row; }
+template <typename T>
+const float* as_float(const T* row, int64_t n, float* buffer) {
+  for (int64_t j = 0; j < n; ++j) buffer[j] = static_cast<float>(row[j]);
+  return buffer;
+}
+
+}  // namespace dartree
