@@ -7,6 +7,7 @@
 #   DRAFTER=runs/x/drafter bash bench/smollm2_tables.sh
 #   VAT=runs/smollm2_vat/drafter DFLASH=runs/smollm2_dflash/drafter bash bench/smollm2_tables.sh vat
 #
+# OUT=dir writes the results elsewhere (default bench/results).
 # Steps (arguments; default: t0 t1 seqheap sweeps plots): t0, t1 (DARTree Table 1 at T = 0 / 1),
 # seqheap (the sequential heap on a subset), vat (VAT Table 1: two drafters under chain and dartree),
 # sweeps (tau vs W, B, beta), plots.
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DRAFTER=${DRAFTER:-dartree_ext/drafters/smollm2-135m-vat}
 SETS=gsm8k,humaneval,mtbench
-OUT=bench/results
+OUT=${OUT:-bench/results}
 E2E="$PY bench/e2e.py --target smollm2 --sets $SETS"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(t0 t1 seqheap sweeps plots)

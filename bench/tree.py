@@ -7,7 +7,8 @@ pure-PyTorch reference vs the sequential heap (seq_heap), side by side in one ru
 Shape: D = 16 positions, K = 64 candidates, W = 12 per depth, B = 64 budget, depth bonus -0.2.
 Heads (our drafter design): "0.1B" = SmolLM2-135M-sized target (hidden 576, V = 49152) with a
 256 x 256 correction head; "4B" = Qwen3-4B-sized (hidden 2560, V = 151936), 512 x 512, bf16.
-Times are medians per round; memory is the op's workspace + outputs (nothing grows with V: only
+Times are medians per round, the three cases interleaved call by call (so a drifting machine
+slows them alike); memory is the op's workspace + outputs (nothing grows with V: only
 the K candidate rows of fc2 and gru_table are read).
 """
 from __future__ import annotations
@@ -30,19 +31,23 @@ HEADS = {
 DEPTH, K, WIDTH, BUDGET, BONUS = 16, 64, 12, 64, -0.2
 
 
-def timed(fn, device, min_seconds=0.5, max_reps=200, min_reps=3) -> float:
-    fn()
-    samples = []
-    start = time.perf_counter()
-    while len(samples) < min_reps or (time.perf_counter() - start < min_seconds and len(samples) < max_reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def timed(fns, device, min_seconds=1.0, max_reps=200, min_reps=3) -> list[float]:
+    """Median microseconds per call of each of ``fns``, run in turn (one call of each per
+    repetition), so that a machine whose speed drifts slows every case alike and their ratios hold."""
+    for fn in fns:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+    samples = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(samples[0]) < min_reps or (time.perf_counter() - start < min_seconds and len(samples[0]) < max_reps):
+        for fn, out in zip(fns, samples):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(s) * 1e6 for s in samples]
 
 
 def round_inputs(spec, batch, device, seed=0):
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seq-heap-batch", type=int, default=1, help="requests timed for seq_heap (per request)")
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="time each case at least this long (at least 3 repetitions; the median is reported)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; D={DEPTH} K={K} W={WIDTH} B={BUDGET}")
     print("| head | device | batch | ours (us) | reference (us) | ref / ours | seq_heap (us) | seq_heap / ours "
@@ -96,14 +103,14 @@ def main(argv=None) -> int:
             device = torch.device(dev_name)
             for batch in args.batch:
                 inputs = round_inputs(spec, batch, device)
-                t_ours = timed(lambda: ours(*inputs), device)
-                t_ref = timed(lambda: pytorch_reference(*inputs), device)
                 # seq_heap is per request and slow: time `seq_heap_batch` requests, scale to the batch
                 n = min(batch, args.seq_heap_batch)
                 sub = tuple(t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
                             for t in inputs)
-                t_seq = timed(lambda: seq_heap(sub[0], *sub[1:4], sub[5], sub[4], BUDGET, BONUS), device,
-                              min_seconds=0.0, min_reps=1) * batch / n
+                t_ours, t_ref, t_seq = timed([lambda: ours(*inputs), lambda: pytorch_reference(*inputs),
+                                              lambda: seq_heap(sub[0], *sub[1:4], sub[5], sub[4], BUDGET, BONUS)],
+                                             device, min_seconds=args.min_seconds)
+                t_seq *= batch / n
                 print(f"| {name} | {dev_name} | {batch} | {t_ours:.0f} | {t_ref:.0f} | {t_ref / t_ours:.1f}x | "
                       f"{t_seq:.0f} | {t_seq / t_ours:.1f}x | {workspace_bytes(batch, spec) / 1024:.0f} |", flush=True)
     return 0
