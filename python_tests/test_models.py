@@ -111,3 +111,39 @@ def test_compact_cache(cache_kind):
             torch.testing.assert_close(layer.keys[b, :, :dst[b]], k0[b, :, :dst[b]])
     select_requests_(cache, torch.tensor([1]))
     assert all(layer.keys.shape[0] == 1 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_init_from_target_reproduces_the_last_layer(layers):
+    """A drafter started from the target: its first layer, fed the target's input to its last
+    layer at token t and the context before t, gives the target's own logits at t."""
+    target = tiny_target(layers=3)
+    drafter = tiny_drafter(target, init_from_target=True, num_layers=layers)
+    assert drafter.config.target_layer_ids[-1] == 2   # = the input of the target's last layer
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        ctx = drafter.project_context(drafter.target_features(out.hidden_states))
+        last = target.model.layers[-1]
+        torch.testing.assert_close(ctx, last.input_layernorm(out.hidden_states[2]), rtol=1e-5, atol=1e-5)
+        for t in (0, 4, 8):
+            layer = drafter.layers[-1] if layers == 1 else drafter.layers[0]
+            x = layer(out.hidden_states[2][:, t:t + 1], torch.full((2, 1), t), ctx[:, :t],
+                      torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool))
+            logits = drafter.lm_head(drafter.norm(x))[:, 0]
+            if layers == 1:
+                torch.testing.assert_close(logits, out.logits[:, t], rtol=1e-4, atol=1e-4)
+            else:  # the first of two copied layers is the target's second-to-last: not its output
+                assert not torch.allclose(logits, out.logits[:, t], atol=1e-2)
+    for mine, theirs in zip(drafter.layers, target.model.layers[-layers:]):
+        assert torch.equal(mine.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert mine.down_proj.weight.data_ptr() != theirs.mlp.down_proj.weight.data_ptr()   # a copy, not shared
+    # a fresh drafter is not the target's layer
+    plain = tiny_drafter(target, num_layers=layers)
+    assert not torch.equal(plain.layers[0].q_proj.weight, target.model.layers[-layers].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_init_from_target_rejects_other_layer_kinds(kind):
+    with pytest.raises(ValueError, match="llama-style"):
+        tiny_drafter(tiny_target(kind), init_from_target=True)

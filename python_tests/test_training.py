@@ -172,3 +172,24 @@ def test_cached_features_match_the_target(tmp_path):
     again = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs, str(tmp_path / "f"),
                                batch_size=3, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(again.final, cache.final))
+
+
+def test_train_cli_runs_and_resumes(tmp_path, capsys):
+    """``dartree-train`` end to end on the built-in tiny target: data, a drafter started from
+    the target's last layer, checkpoints, and a second call that continues the same run."""
+    from dartree_ext.models import BlockDrafter
+    from dartree_ext.loading import load_target
+    from dartree_ext.training.cli import main
+    out = tmp_path / "run"
+    args = ["--target", "tiny", "--out", str(out), "--num-prompts", "3", "--max-new-tokens", "12",
+            "--batch-size", "2", "--blocks-per-sequence", "2", "--block-size", "4", "--warmup-steps", "1",
+            "--checkpoint-every", "1", "--log-every", "1", "--init-from-target"]
+    assert main(args + ["--steps", "2"]) == 0
+    assert len(read_records(str(out / "data.jsonl"))) == 3
+    assert main(args + ["--steps", "3"]) == 0
+    log = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    assert [r["step"] for r in log] == [1, 2, 3]      # resumed at step 2, not restarted
+    target = load_target("tiny").target
+    drafter = BlockDrafter.from_pretrained(str(out / "drafter"), target)
+    assert drafter.config.intermediate_size == target.config.intermediate_size
+    assert drafter.config.block_size == 4

@@ -243,9 +243,14 @@ class BlockDrafter(nn.Module):
 
     # target --------------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target: nn.Module, **config: Any) -> "BlockDrafter":
+    def from_target(cls, target: nn.Module, init_from_target: bool = False, **config: Any) -> "BlockDrafter":
         """A freshly initialised drafter sized for the HF causal LM ``target`` (keyword
-        arguments override :class:`BlockDrafterConfig` fields)."""
+        arguments override :class:`BlockDrafterConfig` fields).
+
+        ``init_from_target=True`` starts the drafter's layers as copies of the target's last
+        ``num_layers`` decoder layers (and its final norm), with the context projection picking
+        the last feature layer, so a context vector is exactly what the first copied layer reads
+        for that token in the target (:meth:`init_from_target`)."""
         vocab, hidden, layers, model_type = _target_sizes(target)
         text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         defaults = dict(vocab_size=vocab, hidden_size=hidden, target_num_layers=layers,
@@ -259,10 +264,57 @@ class BlockDrafter(nn.Module):
             defaults["num_heads"] = heads
             kv = int(getattr(text, "num_key_value_heads", heads) or heads)
             defaults["num_kv_heads"] = kv if heads % kv == 0 else heads
+        if init_from_target:
+            defaults["intermediate_size"] = int(getattr(text, "intermediate_size", 2 * hidden))
+            defaults["head_dim"] = int(getattr(text, "head_dim", None) or hidden // defaults.get("num_heads", 4))
         defaults.update(config)
         drafter = cls(BlockDrafterConfig(**defaults), target)
+        if init_from_target:
+            drafter.init_from_target(target)
         param = next(target.parameters())
         return drafter.to(device=param.device)
+
+    @torch.no_grad()
+    def init_from_target(self, target: nn.Module) -> "BlockDrafter":
+        """Copy the target's last ``num_layers`` decoder layers into the drafter's layers, its
+        final norm into :attr:`norm`, and set the context path to ``input_layernorm(h)`` of the
+        last feature layer ``h`` (identity on its slice of :attr:`context_proj`, zero elsewhere).
+        With ``target_layer_ids[-1]`` = the target's second-to-last layer output (the default),
+        the first copied layer sees the context exactly as the target's last layer does.
+        Llama-style layers only (no attention biases, no q/k norms): anything else, or sizes
+        that differ from this drafter's, is a ``ValueError``."""
+        cfg = self.config
+        base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
+        layers = getattr(base, "layers", None)
+        if layers is None or getattr(base, "norm", None) is None or len(layers) < cfg.num_layers:
+            raise ValueError("init_from_target needs a decoder with .layers (at least num_layers of them) and a "
+                             "final .norm (a llama-style *ForCausalLM)")
+        pairs = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                 "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                 "down_proj": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+        for mine, theirs in zip(self.layers, list(layers)[-cfg.num_layers:]):
+            attn = getattr(theirs, "self_attn", None)
+            extra = [n for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
+            extra += [n + ".bias" for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                      if getattr(getattr(attn, n, None), "bias", None) is not None]
+            if extra:
+                raise ValueError(f"init_from_target supports llama-style layers only; the target's layers have "
+                                 f"{', '.join(extra)}")
+            for name, path in pairs.items():
+                src = theirs.get_submodule(path).weight
+                dst = getattr(mine, name).weight
+                if src.shape != dst.shape:
+                    raise ValueError(f"init_from_target: the target's {path} is {tuple(src.shape)}, the drafter's "
+                                     f"{name} is {tuple(dst.shape)} (sizes must match the target's)")
+                dst.copy_(src.to(dst.dtype))
+        self.norm.weight.copy_(base.norm.weight.to(self.norm.weight.dtype))
+        first = list(layers)[-cfg.num_layers]
+        self.context_norm.weight.copy_(first.input_layernorm.weight.to(self.context_norm.weight.dtype))
+        h = cfg.hidden_size
+        w = torch.zeros_like(self.context_proj.weight)
+        w[:, -h:] = torch.eye(h, dtype=w.dtype)
+        self.context_proj.weight.copy_(w)
+        return self
 
     def attach(self, target: nn.Module) -> "BlockDrafter":
         """Use ``target``'s embedding and LM head (checked against the config)."""

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compute the target's hidden states once (features/ next to the data cache) instead "
                         "of at every step")
     p.add_argument("--init", default=None, help="start from this drafter directory instead of a fresh one")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the drafter's layers as copies of the target's last layers (llama-style targets)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=1)
     p.add_argument("--head-state", type=int, default=128)
@@ -109,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         drafter = BlockDrafter.from_pretrained(args.init, target, dtype=torch.float32)
     else:
         torch.manual_seed(args.seed)
-        drafter = BlockDrafter.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers,
-                                           head_state_size=args.head_state, head_proj_size=args.head_proj)
+        drafter = BlockDrafter.from_target(target, init_from_target=args.init_from_target, block_size=args.block_size,
+                                           num_layers=args.drafter_layers, head_state_size=args.head_state,
+                                           head_proj_size=args.head_proj)
     drafter = drafter.to(device=device, dtype=torch.float32).train()
     cfg = TrainConfig(out_dir=args.out, progress=True, **{f.name: getattr(args, f.name)
                                                          for f in dataclasses.fields(TrainConfig)
