@@ -88,3 +88,24 @@ def test_default_target_uses_the_shipped_drafter():
     except (ImportError, FileNotFoundError):
         installed = False
     assert default_target() == ("smollm2" if installed else "tiny")
+
+
+def test_drafter_accuracy_compares_drafters_on_the_same_responses(tmp_path, capsys):
+    from dartree_ext.loading import load_drafter, load_target
+    saved = list(sys.path)
+    sys.path.insert(0, BENCH)
+    try:
+        import drafter_accuracy
+        target = load_target("tiny").target
+        d = tmp_path / "d"
+        load_drafter(None, target, seed=3).save_pretrained(str(d))
+        assert drafter_accuracy.main(["--target", "tiny", "--drafter", f"a={d},b={d}", "--data", "",
+                                      "--sets", "gsm8k", "--num", "2", "--max-new-tokens", "6"]) == 0
+    finally:
+        sys.path[:] = saved
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("gsm8k")]
+    assert [r[2] for r in rows] == ["a", "b", "a", "b"]
+    assert rows[0][3:6] == rows[1][3:6]                       # the same drafter twice: the same accuracies
+    means = [line.split() for line in out.splitlines() if line.startswith("eval mean")]
+    assert [m[2] for m in means] == ["a", "b"] and means[0][3:] == means[1][3:]
