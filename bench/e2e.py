@@ -35,6 +35,7 @@ except ImportError:
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad  # noqa: E402
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
+from dartree_ext.tree import parse_width  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "Write a function that returns the n-th Fibonacci number.",
@@ -47,7 +48,7 @@ DEFAULT_PROMPTS = [
 @dataclasses.dataclass
 class Params:
     budget: int = 64
-    width: int = 12
+    width: int | tuple[int, ...] = 12   # W, or per-depth widths (the last repeats)
     K: int = 64
     depth_bonus: float = -0.2
 
@@ -170,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--width", type=int, default=12)
+    parser.add_argument("--width", type=parse_width, default=12, help="W, or per-depth widths w1,w2,... (the last "
+                        "repeats), e.g. 32,12")
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--depth-bonus", type=float, default=-0.2)
-    parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget or depth_bonus")
+    parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget or depth_bonus (per-depth "
+                        "widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
-        kind = type(getattr(base_params, name))
+        kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else type(getattr(base_params, name))
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "

@@ -95,6 +95,7 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     from .decoding import METHODS, SpeculativeDecoder, left_pad
     from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
+    from .tree import parse_width
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
                                      description="Speculative decoding with draft trees; prints the text, tau and "
@@ -113,7 +114,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--width", type=int, default=12)
+    parser.add_argument("--width", type=parse_width, default=12, help="dartree's W, or per-depth widths w1,w2,... "
+                        "(the last repeats)")
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--depth-bonus", type=float, default=-0.2)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

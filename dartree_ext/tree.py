@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 
 import torch
 
@@ -121,21 +122,43 @@ def prune(tree: Tree, budget: int) -> Tree:
                 scores=torch.where(present, torch.gather(tree.scores, 1, index), float("-inf")), num_nodes=num_kept)
 
 
+def depth_widths(width: int | Sequence[int], depth: int) -> list[int]:
+    """Children kept per depth: an int W for every depth, or per-depth widths ``(w1, w2, ...)``
+    whose last value repeats down to ``depth`` (``(32, 12)`` = 32 at depth 1, 12 below); a list
+    longer than ``depth`` is cut. Every width must be >= 1."""
+    widths = [int(width)] if isinstance(width, int) else [int(w) for w in width]
+    if not widths or min(widths) < 1:
+        raise ValueError(f"widths must be >= 1 (an int or a non-empty sequence), got {width!r}")
+    return (widths + [widths[-1]] * depth)[:depth]
+
+
+def parse_width(text: str) -> int | tuple[int, ...]:
+    """``"12"`` -> 12, ``"32,12"`` -> (32, 12) (the command-line form of a width)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"a width is W or w1,w2,... (integers), got {text!r}") from None
+    depth_widths(values, 1)  # validates
+    return values[0] if len(values) == 1 else values
+
+
 def build_dartree(head: GRUCorrectionHead, drafter_hidden: torch.Tensor, base_logits: torch.Tensor,
-                  root_tokens: torch.Tensor, root_state: torch.Tensor, k: int = 64, width: int = 12,
-                  budget: int = 64, depth_bonus: float = -0.2, fixed: bool = False) -> Tree:
+                  root_tokens: torch.Tensor, root_state: torch.Tensor, k: int = 64,
+                  width: int | Sequence[int] = 12, budget: int = 64, depth_bonus: float = -0.2,
+                  fixed: bool = False) -> Tree:
     """DARTree for one drafter pass: ``drafter_hidden [B, D, H]``, ``base_logits [B, D, V]``,
     ``root_tokens int64[B]``, ``root_state [B, G]``. Returns at most ``budget + 1`` nodes per
-    request (root included). ``fixed=True``: ``budget // D`` children per depth, no pruning."""
+    request (root included). ``width``: W for every depth, or per-depth widths
+    (:func:`depth_widths`). ``fixed=True``: ``budget // D`` children per depth, no pruning."""
     depth = drafter_hidden.shape[1]
     if depth < 1:
         raise ValueError("drafter_hidden must have at least one position (dim 1)")
-    if k < 1 or width < 1 or budget < 0:
-        raise ValueError(f"need k >= 1, width >= 1 and budget >= 0, got k={k}, width={width}, budget={budget}")
+    if k < 1 or budget < 0:
+        raise ValueError(f"need k >= 1 and budget >= 0, got k={k}, budget={budget}")
+    widths = [max(1, budget // depth)] * depth if fixed else depth_widths(width, depth)
     k = min(k, base_logits.shape[-1])
     cand_ids, cand_base = candidates(base_logits, k)
     z = head.project(drafter_hidden)
-    widths = [max(1, budget // depth)] * depth if fixed else [width] * depth
     supertree = ops.build_supertree(head, z.contiguous(), cand_ids.contiguous(),
                                     cand_base.to(head.w_s.dtype).contiguous(),
                                     root_state.to(head.w_s.dtype).contiguous(), widths, depth_bonus)

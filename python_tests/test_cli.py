@@ -109,3 +109,15 @@ def test_drafter_accuracy_compares_drafters_on_the_same_responses(tmp_path, caps
     assert rows[0][3:6] == rows[1][3:6]                       # the same drafter twice: the same accuracies
     means = [line.split() for line in out.splitlines() if line.startswith("eval mean")]
     assert [m[2] for m in means] == ["a", "b"] and means[0][3:] == means[1][3:]
+
+
+def test_per_depth_widths_from_the_command_line(tmp_path, capsys):
+    assert generate_main(["--target", "tiny", "--max-new-tokens", "4", "--budget", "8", "--width", "6,2"]) == 0
+    e2e = _e2e()
+    result = tmp_path / "r.json"
+    assert e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "8", "--drafter", "lookup",
+                     "--methods", "dartree", "--sweep", "width=2,6/2", "--json", str(result)]) == 0
+    rows = json.load(open(result))
+    assert [r["params"]["width"] for r in rows if r["method"] != "ar"] == [2, [6, 2]]
+    with pytest.raises(SystemExit):
+        generate_main(["--target", "tiny", "--width", "6,0"])

@@ -233,3 +233,15 @@ def test_greedy_several_seeds(seed):
                             miss=0.5, seed=seed)
     for method in ("chain_corrected", "ddtree", "dartree", "dartree_fixed"):
         check_greedy(SpeculativeDecoder(target, drafter, method, budget=12, width=3, K=6), prompts, refs, 16)
+
+
+def test_per_depth_widths_decode_losslessly():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    prompt = torch.randint(1, 97, (6,), generator=torch.Generator().manual_seed(4))
+    ref = greedy_reference(target, prompt, 10)
+    out = SpeculativeDecoder(target, drafter, "dartree", budget=12, width=(6, 2)).generate(prompt[None],
+                                                                                         max_new_tokens=10)
+    assert torch.equal(out.sequences[0, prompt.numel():], ref)
+    with pytest.raises(ValueError, match="widths must be >= 1"):
+        SpeculativeDecoder(target, drafter, "dartree", width=(4, 0))

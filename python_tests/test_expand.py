@@ -148,3 +148,33 @@ def test_build_dartree_layout(fixed):
             # every token is one of the candidates at its depth
             ids, _ = candidates(logits[b:b + 1], 6)
             assert int(tree.tokens[b, i]) in ids[0, int(tree.depths[b, i]) - 1].tolist()
+
+
+def test_build_dartree_per_depth_widths():
+    """Per-depth widths: (w1, w2) = w1 at depth 1 and w2 below; the same tree as the supertree
+    built with the expanded width list, pruned; an int is every depth's width."""
+    from dartree_ext.tree import depth_widths, parse_width
+    batch, depth, budget, k = 2, 4, 9, 6
+    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, seed=2)
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(batch, depth, HIDDEN, generator=gen)
+    logits = torch.randn(batch, depth, VOCAB, generator=gen)
+    roots, state = torch.tensor([1, 2]), torch.zeros(batch, G)
+    assert depth_widths((5, 2), depth) == [5, 2, 2, 2] and depth_widths(3, 2) == [3, 3]
+    assert depth_widths((1, 2, 3, 4, 5), 3) == [1, 2, 3]
+    assert parse_width("12") == 12 and parse_width("32,12") == (32, 12)
+    for bad in ((), (3, 0), 0):
+        with pytest.raises(ValueError, match="widths must be >= 1"):
+            depth_widths(bad, depth)
+    with pytest.raises(ValueError, match="integers"):
+        parse_width("12,x")
+    tree = build_dartree(head, hidden, logits, roots, state, k=k, width=(5, 2), budget=budget)
+    cand_ids, cand_base = candidates(logits, k)
+    sup = reference.build_supertree(head, head.project(hidden), cand_ids, cand_base, state, [5, 2, 2, 2], -0.2)
+    expected = prune(supertree_as_tree(*sup, roots), budget)
+    for field in ("tokens", "parents", "depths", "num_nodes"):
+        assert torch.equal(getattr(tree, field), getattr(expected, field)), field
+    assert (tree.depths == 1).sum(1).tolist() == [5, 5]      # depth 1 is wider than W = 2 would allow
+    same = build_dartree(head, hidden, logits, roots, state, k=k, width=(3,), budget=budget)
+    plain = build_dartree(head, hidden, logits, roots, state, k=k, width=3, budget=budget)
+    assert torch.equal(same.tokens, plain.tokens) and torch.equal(same.parents, plain.parents)

@@ -17,6 +17,7 @@ import inspect
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Iterable
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from .. import ops
 from ..models import BlockDrafter
 from ..sampling import target_tokens_from_logits
-from ..tree import Tree, build_dartree, candidates, seq_heap, supertree_as_tree
+from ..tree import Tree, build_dartree, candidates, depth_widths, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 
 log = logging.getLogger(__name__)
@@ -134,19 +135,22 @@ class SpeculativeDecoder:
 
     ``budget`` = draft nodes per tree (B, root excluded) for ``ddtree``, ``dartree``,
     ``dartree_fixed`` (``budget // depth`` per depth) and ``seq_heap``; ``width`` = W, the
-    children kept per depth by ``dartree``; ``K`` = candidates per position;
+    children kept per depth by ``dartree`` (or per-depth widths ``(w1, w2, ...)``, the last
+    repeating: :func:`~dartree_ext.tree.depth_widths`); ``K`` = candidates per position;
     ``depth_bonus`` = beta (<= 0 keeps the pruned tree exactly the best-first heap's).
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
-                 budget: int = 64, width: int = 12, K: int = 64, depth_bonus: float = -0.2,
+                 budget: int = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
         if budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
-        if width < 1 or K < 1:
-            raise ValueError(f"width and K must be >= 1, got width={width}, K={K}")
+        if K < 1:
+            raise ValueError(f"K must be >= 1, got K={K}")
+        depth_widths(width, 1)  # raises on a width < 1
+        width = width if isinstance(width, int) else tuple(int(w) for w in width)
         if method != "ar":
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
