@@ -37,11 +37,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(target, drafter, seq: list[int], start: int, positions: int) -> list[float]:
-    """Top-1 accuracy at block positions 1..``positions`` over the anchors ``start..len-2``."""
+def target_hidden_states(target, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return getattr(target, target.base_model_prefix)(input_ids=ids, output_hidden_states=True).hidden_states
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(target, drafter, seq: list[int], start: int, positions: int,
+                            hidden_states=None) -> list[float]:
+    """Top-1 accuracy at block positions 1..``positions`` over the anchors ``start..len-2``
+    (``hidden_states``: the target's, when the caller already ran it over ``seq``)."""
     ids = torch.tensor(seq, device=next(target.parameters()).device)[None]
-    out = getattr(target, target.base_model_prefix)(input_ids=ids, output_hidden_states=True)
-    context = drafter.project_context(drafter.target_features(out.hidden_states))
+    out = hidden_states or target_hidden_states(target, ids)
+    context = drafter.project_context(drafter.target_features(out))
     length = ids.shape[1]
     slots = torch.arange(length, device=ids.device)[None]
     anchors = torch.arange(start, length - 1, device=ids.device)
@@ -83,8 +90,9 @@ def main(argv=None) -> int:
 
     def report(kind: str, source: str, seq: list[int], start: int, chain: str) -> None:
         n = len(seq) - start - 1
-        for j, (label, drafter) in enumerate(drafters):
-            acc = teacher_forced_accuracy(target, drafter, seq, start, args.positions)
+        states = target_hidden_states(target, torch.tensor(seq, device=next(target.parameters()).device)[None])
+        for j, (label, drafter) in enumerate(drafters):  # the target runs once per response, not per drafter
+            acc = teacher_forced_accuracy(target, drafter, seq, start, args.positions, states)
             print(f"{source:24s} {label:>10s} {n:7d} {' '.join(f'{a:6.3f}' for a in acc)} "
                   f"{chain if j == 0 else '':>20s}")
             rows = hits.setdefault((kind, label), [[0.0, 0] for _ in range(args.positions)])
