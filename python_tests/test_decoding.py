@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -245,3 +246,4 @@ def test_per_depth_widths_decode_losslessly():
     assert torch.equal(out.sequences[0, prompt.numel():], ref)
     with pytest.raises(ValueError, match="widths must be >= 1"):
         SpeculativeDecoder(target, drafter, "dartree", width=(4, 0))
+    assert SpeculativeDecoder(target, drafter, "dartree", width=np.int64(6)).width == 6  # any integer type

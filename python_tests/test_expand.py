@@ -3,6 +3,7 @@ dtype; build_dartree / seq_heap: with the supertree wide enough to hold every no
 equals the exact sequential heap."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,7 +164,9 @@ def test_build_dartree_per_depth_widths():
     assert depth_widths((5, 2), depth) == [5, 2, 2, 2] and depth_widths(3, 2) == [3, 3]
     assert depth_widths((1, 2, 3, 4, 5), 3) == [1, 2, 3]
     assert parse_width("12") == 12 and parse_width("32,12") == (32, 12)
-    for bad in ((), (3, 0), 0):
+    # any integer type is one width for every depth (a numpy int is not iterable)
+    assert depth_widths(np.int64(3), 2) == [3, 3] and depth_widths((np.int32(5), 2), 3) == [5, 2, 2]
+    for bad in ((), (3, 0), 0, np.int64(0)):
         with pytest.raises(ValueError, match="widths must be >= 1"):
             depth_widths(bad, depth)
     with pytest.raises(ValueError, match="integers"):
@@ -178,3 +181,5 @@ def test_build_dartree_per_depth_widths():
     same = build_dartree(head, hidden, logits, roots, state, k=k, width=(3,), budget=budget)
     plain = build_dartree(head, hidden, logits, roots, state, k=k, width=3, budget=budget)
     assert torch.equal(same.tokens, plain.tokens) and torch.equal(same.parents, plain.parents)
+    numpy_width = build_dartree(head, hidden, logits, roots, state, k=k, width=np.int64(3), budget=budget)
+    assert torch.equal(numpy_width.tokens, plain.tokens) and torch.equal(numpy_width.parents, plain.parents)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import numbers
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -150,7 +151,7 @@ class SpeculativeDecoder:
         if K < 1:
             raise ValueError(f"K must be >= 1, got K={K}")
         depth_widths(width, 1)  # raises on a width < 1
-        width = width if isinstance(width, int) else tuple(int(w) for w in width)
+        width = int(width) if isinstance(width, numbers.Integral) else tuple(int(w) for w in width)
         if method != "ar":
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
