@@ -128,6 +128,33 @@ def test_masked_vocabulary_and_underflow(backend, dtype):
         assert float(g_ours.cpu()[..., masked].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rising_maxima_and_masked_prefix(backend, dtype):
+    """Rows 2000 wide (several of the CPU kernels' 512-value chunks, which take maxima and sums in
+    one pass and rescale the sums when a maximum rises): a rising ramp puts each row's maximum in
+    its last chunk, a falling one in its first; a -inf run longer than a chunk opens every row; tied
+    maxima in two chunks (the first index must win, as torch.argmax's does)."""
+    draft, target, tokens, vh, valid = make_inputs(3, 4, 2000, dtype=torch.float64, seed=11, noise=0.5)
+    ramp = torch.linspace(0.0, 30.0, 2000, dtype=torch.float64)
+    draft[0], target[0] = draft[0] + ramp, target[0] + ramp
+    draft[2], target[2] = draft[2] + ramp.flip(0), target[2] + ramp.flip(0)
+    draft[..., :700], target[..., :700] = float("-inf"), float("-inf")
+    draft[0, 1, [900, 1700]] = target[0, 1, [900, 1700]] = 100.0  # a tie: argmax 900 on both sides
+    target[0, 2, [800, 1900]] = 100.0                             # target ties, draft's max elsewhere
+    draft[0, 2, 1950] = 100.0
+    tokens = tokens.clamp(min=700)
+    inputs = (draft.to(dtype), target.to(dtype), tokens, vh.to(dtype), valid)
+    for rule, temperature in (("greedy", 1.0), ("sample", 0.7)):
+        (ours, g_ours, _), (ref, g_ref, _) = run_both(backend, inputs, rule=rule, temperature=temperature, seed=2)
+        assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+        assert torch.equal(ours.accept.cpu(), ref.accept)
+        torch.testing.assert_close(ours.loss.cpu(), ref.loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_ours.cpu().float(), g_ref.float(), rtol=1e-2, atol=1e-6)
+        assert float(g_ours.cpu()[..., :700].abs().max()) == 0.0
+        if rule == "greedy":
+            assert bool(ours.accept.cpu()[0, 1]) and not bool(ours.accept.cpu()[0, 2])
+
+
 def test_hand_built_blocks(backend):
     """Greedy acceptance chosen position by position: draft and target argmaxes agree where 1."""
     k, vocab, gamma = 6, 8, 2.0

@@ -1,9 +1,9 @@
 // CPU kernels of the VAT loss (see csrc/kernels/vat_launchers.h for the contract, shared with the
 // CUDA kernels): per-row soft / hard cross-entropies, logsumexps and acceptance; the row gradient;
-// per-block first rejection and loss weights. Rows run in parallel; each row is two passes (max,
-// then sums of exp). 16/32-bit logits: float32 math in chunks of kChunk values (16-bit ones widened
-// first), with vec_math.h's exp so that the loops vectorize, each chunk's sums added into double
-// accumulators; float64 logits: std::exp and double throughout.
+// per-block first rejection and loss weights. Rows run in parallel. 16/32-bit logits: one pass of
+// float32 math in chunks of kChunk values (16-bit ones widened first), maxima and sums together
+// (online rescaling), with vec_math.h's exp so that the loops vectorize, each chunk's sums added
+// into double accumulators; float64 logits: two passes (max, then sums), std::exp and double.
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -85,28 +85,43 @@ DARTREE_SIMD_CLONES void chunk_grad(const float* dv, const float* tv, int64_t n,
   }
 }
 
-// One row's forward statistics from 16/32-bit logits, in float32 chunks: max and first argmax of
-// both rows, then the sums. Returns via the pointers.
+// Raises (m, a) to the chunk's first maximum where it beats m (strictly, so an earlier chunk's
+// equal maximum keeps the first index); true when it did.
+inline bool raise_max(const float* x, int64_t n, int64_t offset, float* m, int64_t* a) {
+  if (!(chunk_max(x, n) > *m)) return false;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] > *m) *m = x[i], *a = offset + i;
+  return true;
+}
+
+// One row's forward statistics from 16/32-bit logits in one pass over float32 chunks (16-bit ones
+// widened once): max and first argmax of both rows, and sums[0..4] (see chunk_sums) relative to the
+// final maxima. Each chunk's sums use the running maxima; when a maximum rises the sums taken so far
+// are rescaled by exp(old - new) (online softmax). While a row has seen only -inf its sums are taken
+// against 0, which gives exact zeros, so an all -inf row ends with zero sums (lse = -inf, as the
+// float64 path gives). Returns via the pointers.
 template <typename scalar_t>
 void row_stats_float(const scalar_t* d, const scalar_t* t, int64_t vocab, float it, bool scaled, float* max_d,
                      float* max_t, int64_t* arg_d, int64_t* arg_t, double* sums) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   float bd[kChunk], bt[kChunk];
-  float md = -std::numeric_limits<float>::infinity(), mt = md;
+  float md = kNegInf, mt = kNegInf;
   int64_t ad = 0, at = 0;
-  for (int64_t s = 0; s < vocab; s += kChunk) {  // pass 1: the maxima (a chunk is scanned only when it beats them)
+  for (int64_t s = 0; s < vocab; s += kChunk) {
     const int64_t n = std::min(kChunk, vocab - s);
     const float* dv = as_float(d + s, n, bd);
     const float* tv = as_float(t + s, n, bt);
-    if (chunk_max(dv, n) > md)
-      for (int64_t i = 0; i < n; ++i)
-        if (dv[i] > md) md = dv[i], ad = s + i;
-    if (chunk_max(tv, n) > mt)
-      for (int64_t i = 0; i < n; ++i)
-        if (tv[i] > mt) mt = tv[i], at = s + i;
-  }
-  for (int64_t s = 0; s < vocab; s += kChunk) {  // pass 2: the sums
-    const int64_t n = std::min(kChunk, vocab - s);
-    chunk_sums(as_float(d + s, n, bd), as_float(t + s, n, bt), n, md, mt, it, scaled, sums);
+    const float old_d = md, old_t = mt;
+    if (raise_max(dv, n, s, &md, &ad) && old_d != kNegInf) {
+      sums[0] *= std::exp(static_cast<double>(old_d) - md);
+      sums[3] *= std::exp((static_cast<double>(old_d) - md) * it);
+    }
+    if (raise_max(tv, n, s, &mt, &at) && old_t != kNegInf) {
+      const double r = std::exp(static_cast<double>(old_t) - mt);
+      sums[1] *= r, sums[2] *= r;
+      sums[4] *= std::exp((static_cast<double>(old_t) - mt) * it);
+    }
+    chunk_sums(dv, tv, n, md == kNegInf ? 0.0f : md, mt == kNegInf ? 0.0f : mt, it, scaled, sums);
   }
   *max_d = md, *max_t = mt, *arg_d = ad, *arg_t = at;
 }
