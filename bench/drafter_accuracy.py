@@ -42,13 +42,11 @@ def target_hidden_states(target, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(target, drafter, seq: list[int], start: int, positions: int,
-                            hidden_states=None) -> list[float]:
-    """Top-1 accuracy at block positions 1..``positions`` over the anchors ``start..len-2``
-    (``hidden_states``: the target's, when the caller already ran it over ``seq``)."""
-    ids = torch.tensor(seq, device=next(target.parameters()).device)[None]
-    out = hidden_states or target_hidden_states(target, ids)
-    context = drafter.project_context(drafter.target_features(out))
+def teacher_forced_accuracy(drafter, ids: torch.Tensor, hidden_states, start: int, positions: int) -> list[float]:
+    """Top-1 accuracy at block positions 1..``positions`` over the anchors ``start..len-2`` of the
+    sequence ``ids [1, L]``, given the target's ``hidden_states`` over it (computed once per
+    sequence and shared by every drafter)."""
+    context = drafter.project_context(drafter.target_features(hidden_states))
     length = ids.shape[1]
     slots = torch.arange(length, device=ids.device)[None]
     anchors = torch.arange(start, length - 1, device=ids.device)
@@ -90,9 +88,10 @@ def main(argv=None) -> int:
 
     def report(kind: str, source: str, seq: list[int], start: int, chain: str) -> None:
         n = len(seq) - start - 1
-        states = target_hidden_states(target, torch.tensor(seq, device=next(target.parameters()).device)[None])
+        ids = torch.tensor(seq, device=next(target.parameters()).device)[None]
+        states = target_hidden_states(target, ids)
         for j, (label, drafter) in enumerate(drafters):  # the target runs once per response, not per drafter
-            acc = teacher_forced_accuracy(target, drafter, seq, start, args.positions, states)
+            acc = teacher_forced_accuracy(drafter, ids, states, start, args.positions)
             print(f"{source:24s} {label:>10s} {n:7d} {' '.join(f'{a:6.3f}' for a in acc)} "
                   f"{chain if j == 0 else '':>20s}")
             rows = hits.setdefault((kind, label), [[0.0, 0] for _ in range(args.positions)])
