@@ -10,7 +10,7 @@
 # OUT=dir writes the results elsewhere (default bench/results); DEVICE=cpu|cuda picks the device.
 # Steps (arguments; default: t0 t1 seqheap sweeps plots): t0, t1 (DARTree Table 1 at T = 0 / 1),
 # seqheap (the sequential heap on a subset), vat (VAT Table 1: two drafters under chain and dartree),
-# sweeps (tau vs W, B, beta), plots.
+# sweeps (tau vs W, B, beta; or one of them: sweep_width, sweep_budget, sweep_depth_bonus), plots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -32,12 +32,17 @@ for step in "${steps[@]}"; do
           --temperatures 0 --max-new-tokens 32 --methods dartree,seq_heap --json $OUT/e2e_smollm2_seqheap.json ;;
     vat) $E2E --drafter "vat=${VAT:?set VAT=dir},dflash=${DFLASH:?set DFLASH=dir}" --num-prompts "${VAT_PROMPTS:-3}" \
           --temperatures 0 --max-new-tokens 48 --methods chain,dartree --json $OUT/e2e_smollm2_vat_vs_dflash.json ;;
-    sweeps)
-      for sweep in width=4,8,12,16 budget=32,64,128 depth_bonus=-0.3,-0.2,-0.1,0; do
+    sweeps|sweep_width|sweep_budget|sweep_depth_bonus)
+      case $step in
+        sweeps) parts="width=4,8,12,16 budget=32,64,128 depth_bonus=-0.3,-0.2,-0.1,0" ;;
+        sweep_width) parts="width=4,8,12,16" ;;
+        sweep_budget) parts="budget=32,64,128" ;;
+        *) parts="depth_bonus=-0.3,-0.2,-0.1,0" ;;
+      esac
+      for sweep in $parts; do
         name=${sweep%%=*}
         methods=dartree prompts=${SWEEP_PROMPTS:-3}
         [ "$name" = budget ] && methods=ddtree,dartree
-        [ "$name" = depth_bonus ] && prompts=${BETA_PROMPTS:-1}   # flat with this drafter: 1 prompt per set
         $E2E --drafter "$DRAFTER" --num-prompts "$prompts" --temperatures 0 --max-new-tokens 32 \
           --methods $methods --sweep "$sweep" --json $OUT/e2e_smollm2_sweep_$name.json
       done ;;

@@ -14,9 +14,9 @@ of CUDA inputs too, at the cost of a synchronization.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
+
+from ._widths import width_list
 
 MAX_TREE_NODES = 8192
 MAX_HEAP_BUDGET = 2048
@@ -278,8 +278,8 @@ def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: to
     M = the sum of the widths. Where a depth has fewer children than its width, the rest is
     padding: depth -1, parent -1, score -inf, token 0.
     """
-    widths = [int(width)] * z.shape[1] if isinstance(width, numbers.Integral) else [int(w) for w in width]
-    return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head), widths,
+    return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head),
+                                        width_list(width, z.shape[1]),
                                         depth_bonus)
 
 

@@ -3,10 +3,11 @@ where PyTorch allows; same signatures and outputs as :mod:`dartree_ext.ops`."""
 from __future__ import annotations
 
 import heapq
-import numbers
 
 import numpy as np
 import torch
+
+from ._widths import width_list
 
 
 def _valid_nodes(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
@@ -273,7 +274,7 @@ def expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num
 def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2):
     """Algorithm 1's supertree, one depth at a time with :func:`expand_depth`."""
     batch, depth, _ = z.shape
-    widths = [int(width)] * depth if isinstance(width, numbers.Integral) else [int(w) for w in width]
+    widths = width_list(width, depth)
     states = root_state.float()[:, None, :]
     scores_prev = torch.zeros(batch, 1)
     num_parents = torch.ones(batch, dtype=torch.int32, device=z.device)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import numbers
 from collections.abc import Sequence
 
 import torch
 
 from . import ops, reference
+from ._widths import width_list
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ def depth_widths(width: int | Sequence[int], depth: int) -> list[int]:
     """Children kept per depth: an int W for every depth, or per-depth widths ``(w1, w2, ...)``
     whose last value repeats down to ``depth`` (``(32, 12)`` = 32 at depth 1, 12 below); a list
     longer than ``depth`` is cut. Every width must be >= 1."""
-    widths = [int(width)] if isinstance(width, numbers.Integral) else [int(w) for w in width]
+    widths = width_list(width, 1)
     if not widths or min(widths) < 1:
         raise ValueError(f"widths must be >= 1 (an int or a non-empty sequence), got {width!r}")
     return (widths + [widths[-1]] * depth)[:depth]

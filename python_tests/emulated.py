@@ -16,6 +16,8 @@ import tempfile
 
 import torch
 
+from dartree_ext._widths import width_list
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 BUILD_DIR = pathlib.Path(__file__).resolve().parent / ".emu_build"
@@ -242,7 +244,7 @@ class EmulatedOps:
         w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
                                                             head.w_hh, head.b_hh)
         batch, depth, k = cand_ids.shape
-        widths = [int(width)] * depth if isinstance(width, int) else [int(w) for w in width]
+        widths = width_list(width, depth)
         g = w_s.shape[1]
         total, max_width = sum(widths), max(widths)
         head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)

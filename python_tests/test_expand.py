@@ -60,6 +60,18 @@ def test_expand_depth(backend, dtype, p_max, k, width, bias):
     assert_expansion_close(actual, expected)
 
 
+@pytest.mark.parametrize("width", [3, np.int64(3), np.int32(3)])
+def test_build_supertree_integer_width(backend, width):
+    """An integer width of any integer type is that width at every depth, in the op (and its
+    emulation) and in the reference alike."""
+    head, z, cand_ids, cand_base, root_state = make_inputs(2, 3, 5, torch.float32, seed=11)
+    expected = reference.build_supertree(head, z, cand_ids, cand_base, root_state, [3, 3, 3], -0.2)
+    assert_expansion_close(reference.build_supertree(head, z, cand_ids, cand_base, root_state, width, -0.2), expected)
+    actual = backend.ops.build_supertree(head_on(head, backend.device), *backend.put(z, cand_ids, cand_base,
+                                                                                   root_state), width, -0.2)
+    assert_expansion_close(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("depth, k, widths", [(1, 6, [4]), (4, 5, [3, 6, 2, 5]), (3, 2, [4, 4, 4])])
 def test_build_supertree(backend, dtype, depth, k, widths):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import numbers
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Iterable
 import torch
 
 from .. import ops
+from .._widths import canonical_width
 from ..models import BlockDrafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, depth_widths, seq_heap, supertree_as_tree
@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         if K < 1:
             raise ValueError(f"K must be >= 1, got K={K}")
         depth_widths(width, 1)  # raises on a width < 1
-        width = int(width) if isinstance(width, numbers.Integral) else tuple(int(w) for w in width)
+        width = canonical_width(width)
         if method != "ar":
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
