@@ -70,6 +70,35 @@ def test_save_and_load(tmp_path):
         BlockDrafter.from_pretrained(tmp_path / "nothing", target)
 
 
+def test_root_in_masks(tmp_path):
+    """``root_in_masks``: every mask input is the mask embedding plus the root's embedding. For one
+    request that equals a drafter without the option whose mask embedding already holds the root's
+    embedding; the option adds no parameter, survives save/load, and a config without the key
+    (drafters saved before it existed) loads with it off."""
+    import json
+    from dartree_ext.models.drafter import CONFIG_NAME
+    target = tiny_target()
+    on = tiny_drafter(target, root_in_masks=True)
+    off = tiny_drafter(target)
+    assert [n for n, _ in on.named_parameters()] == [n for n, _ in off.named_parameters()]
+    root, ctx, pos, mask = torch.tensor([5]), torch.randn(1, 6, 32), torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool)
+    with torch.no_grad():
+        plain = off(root, torch.tensor([6]), ctx, pos, mask).base_logits
+        off.mask_embedding.add_(target.get_input_embeddings()(root)[0])
+        shifted = off(root, torch.tensor([6]), ctx, pos, mask).base_logits
+        ours = on(root, torch.tensor([6]), ctx, pos, mask).base_logits
+    torch.testing.assert_close(ours, shifted)
+    assert not torch.allclose(ours, plain)
+    on.save_pretrained(tmp_path)
+    assert BlockDrafter.from_pretrained(tmp_path, target).config.root_in_masks is True
+    with open(tmp_path / CONFIG_NAME) as f:
+        cfg = json.load(f)
+    del cfg["root_in_masks"]
+    with open(tmp_path / CONFIG_NAME, "w") as f:
+        json.dump(cfg, f)
+    assert BlockDrafter.from_pretrained(tmp_path, target).config.root_in_masks is False
+
+
 def test_correction_head_matches_tree_reference():
     """The module's teacher-forced corrected logits equal the tree ops' reference head on the
     same branch (the exported tensors are the module's)."""

@@ -183,7 +183,7 @@ def test_train_cli_runs_and_resumes(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--target", "tiny", "--out", str(out), "--num-prompts", "3", "--max-new-tokens", "12",
             "--batch-size", "2", "--blocks-per-sequence", "2", "--block-size", "4", "--warmup-steps", "1",
-            "--checkpoint-every", "1", "--log-every", "1", "--init-from-target"]
+            "--checkpoint-every", "1", "--log-every", "1", "--init-from-target", "--root-in-masks"]
     assert main(args + ["--steps", "2"]) == 0
     assert len(read_records(str(out / "data.jsonl"))) == 3
     assert main(args + ["--steps", "3"]) == 0
@@ -192,4 +192,4 @@ def test_train_cli_runs_and_resumes(tmp_path, capsys):
     target = load_target("tiny").target
     drafter = BlockDrafter.from_pretrained(str(out / "drafter"), target)
     assert drafter.config.intermediate_size == target.config.intermediate_size
-    assert drafter.config.block_size == 4
+    assert drafter.config.block_size == 4 and drafter.config.root_in_masks

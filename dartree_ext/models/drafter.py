@@ -4,7 +4,8 @@
 The drafter shares the target's token embedding and LM head (they are *not* its parameters:
 ``parameters()`` / ``save_pretrained`` leave them out, and they stay frozen). Its context is
 a projection of the concatenated hidden states of a few target layers, one vector per token
-already in the target's KV cache; a block is ``[last committed token, mask x (D - 1)]``,
+already in the target's KV cache; a block is ``[last committed token, mask x (D - 1)]`` (with
+``root_in_masks``, each mask input is the mask embedding plus the root token's embedding),
 attends non-causally inside itself and to the whole context, and one pass predicts the D - 1
 tokens after the last committed one.
 """
@@ -60,6 +61,7 @@ class BlockDrafterConfig:
     head_state_size: int = 128             # G: the correction head's GRU state
     head_proj_size: int = 64               # E: the correction head's inner width
     target_model_type: str = ""
+    root_in_masks: bool = False            # add the root token's embedding to every mask position
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -359,7 +361,10 @@ class BlockDrafter(nn.Module):
         batch = root_tokens.shape[0]
         dtype = self.context_proj.weight.dtype
         root = self.embedding(root_tokens).to(dtype)
-        x = torch.cat([root[:, None], self.mask_embedding.to(dtype).expand(batch, cfg.block_size - 1, -1)], 1)
+        masks = self.mask_embedding.to(dtype).expand(batch, cfg.block_size - 1, -1)
+        if cfg.root_in_masks:  # each drafted position sees the root directly, not only through attention
+            masks = masks + root[:, None]
+        x = torch.cat([root[:, None], masks], 1)
         block_pos = root_positions[:, None] + torch.arange(cfg.block_size, device=root_tokens.device)
         for layer in self.layers:
             x = layer(x, block_pos, context, context_positions, context_mask)

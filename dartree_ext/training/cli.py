@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter-layers", type=int, default=1)
     p.add_argument("--head-state", type=int, default=128)
     p.add_argument("--head-proj", type=int, default=64)
+    p.add_argument("--root-in-masks", action="store_true",
+                   help="new drafters: add the root token's embedding to every mask position's input")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("out_dir", "progress"):
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         drafter = BlockDrafter.from_target(target, init_from_target=args.init_from_target, block_size=args.block_size,
                                            num_layers=args.drafter_layers, head_state_size=args.head_state,
-                                           head_proj_size=args.head_proj)
+                                           head_proj_size=args.head_proj, root_in_masks=args.root_in_masks)
     drafter = drafter.to(device=device, dtype=torch.float32).train()
     cfg = TrainConfig(out_dir=args.out, progress=True, **{f.name: getattr(args, f.name)
                                                          for f in dataclasses.fields(TrainConfig)
