@@ -33,14 +33,9 @@ for step in "${steps[@]}"; do
     vat) $E2E --drafter "vat=${VAT:?set VAT=dir},dflash=${DFLASH:?set DFLASH=dir}" --num-prompts "${VAT_PROMPTS:-3}" \
           --temperatures 0 --max-new-tokens 48 --methods chain,dartree --json $OUT/e2e_smollm2_vat_vs_dflash.json ;;
     sweeps|sweep_width|sweep_budget|sweep_depth_bonus)
-      case $step in
-        sweeps) parts="width=4,8,12,16 budget=32,64,128 depth_bonus=-0.3,-0.2,-0.1,0" ;;
-        sweep_width) parts="width=4,8,12,16" ;;
-        sweep_budget) parts="budget=32,64,128" ;;
-        *) parts="depth_bonus=-0.3,-0.2,-0.1,0" ;;
-      esac
-      for sweep in $parts; do
+      for sweep in width=4,8,12,16 budget=32,64,128 depth_bonus=-0.3,-0.2,-0.1,0; do
         name=${sweep%%=*}
+        [ "$step" = sweeps ] || [ "$step" = "sweep_$name" ] || continue
         methods=dartree prompts=${SWEEP_PROMPTS:-3}
         [ "$name" = budget ] && methods=ddtree,dartree
         $E2E --drafter "$DRAFTER" --num-prompts "$prompts" --temperatures 0 --max-new-tokens 32 \
