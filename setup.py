@@ -94,6 +94,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "transformers>=5,<6", "safetensors", "tqdm"],
     entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main",
                                       "dartree-generate=dartree_ext.cli:generate_main",
+                                      "dartree-profile=dartree_ext.cli:profile_main",
                                       "dartree-train=dartree_ext.training.cli:main"]},
     package_data={"dartree_ext": ["drafters/*/*.json", "drafters/*/*.safetensors"]},
     zip_safe=False,

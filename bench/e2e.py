@@ -47,7 +47,7 @@ DEFAULT_PROMPTS = [
 
 @dataclasses.dataclass
 class Params:
-    budget: int = 64
+    budget: int | str = 64              # B, or "auto" (per-round size from the cost model)
     width: int | tuple[int, ...] = 12   # W, or per-depth widths (the last repeats)
     K: int = 64
     depth_bonus: float = -0.2
@@ -102,6 +102,22 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
                 accept_hist={int(k): v for k, v in sorted(hist.items())},
                 nodes_per_depth={int(k): v / max(1, rounds) for k, v in sorted(depth_nodes.items())},
                 peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None, outputs=outputs)
+
+
+def budget_arg(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def first_divergence(outputs: list, reference: list) -> list:
+    """Per response: the index of the first token that differs from the reference (None if equal)."""
+    firsts = []
+    for group, ref_group in zip(outputs, reference):
+        for out, ref in zip(group, ref_group):
+            i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+            if i is None and len(out) != len(ref):
+                i = min(len(out), len(ref))
+            firsts.append(i)
+    return firsts
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--budget", type=budget_arg, default=64, help="B, or 'auto' (per-round size from the "
+                        "cost model)")
     parser.add_argument("--width", type=parse_width, default=12, help="W, or per-depth widths w1,w2,... (the last "
                         "repeats), e.g. 32,12")
     parser.add_argument("--K", type=int, default=64)
@@ -179,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                         "widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
+                        help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
+                             "(the second labelled '@fullvocab')")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write every result (without outputs) here")
     args = parser.parse_args(argv)
@@ -187,8 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     target, tok = loaded.target, loaded.tokenizer
     stops = stop_tokens(tok, target)
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
-    drafters = [(label, load_drafter(None if spec in ("random", "lookup") else spec, target))
-                for label, spec in parse_drafters(args.drafter)]
+    drafters = []
+    for label, spec in parse_drafters(args.drafter):
+        path = None if spec in ("random", "lookup") else spec
+        if args.draft_vocab in ("on", "both"):
+            drafters.append((label, load_drafter(path, target)))
+        if args.draft_vocab in ("off", "both"):
+            drafters.append((f"{label}fullvocab" if args.draft_vocab == "both" else label,
+                             load_drafter(path, target, draft_vocab=False)))
     lookup = args.drafter == "lookup"
     temps = [float(t) for t in args.temperatures.split(",")]
     base_params = Params(args.budget, args.width, args.K, args.depth_bonus)
@@ -196,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
-        kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else type(getattr(base_params, name))
+        kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else \
+            budget_arg if name == "budget" else type(getattr(base_params, name))
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "
@@ -227,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
                 r["set"], r["prompts"] = set_name, len(prompts)
                 r["speedup"] = ar["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
                 r["same_as_ar"] = r["outputs"] == ar["outputs"] if temperature == 0 else None
-                if r["same_as_ar"] is False:
+                if temperature == 0:
+                    firsts = first_divergence(r["outputs"], ar["outputs"])
+                    r["first_divergence"] = firsts
+                    r["diverged_responses"] = sum(f is not None for f in firsts)
+                # float32 must be exact; bf16 is lossless up to rounding (near-ties), so it is reported
+                if r["same_as_ar"] is False and args.dtype == "float32":
                     failed.append((set_name, r["method"]))
             label = f"\n[{set_name}: {len(prompts)} prompts, T={temperature}"
             label += f", sweep {args.sweep}]" if args.sweep else f", B={args.budget} W={args.width} K={args.K} " \

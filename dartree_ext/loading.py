@@ -51,16 +51,34 @@ def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.M
     return model
 
 
+def smollm2_arch_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """SmolLM2-135M's architecture with random weights: for timing (cost models) where the
+    model package is not installed; its text is noise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval().to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
-    """A target model and its tokenizer from ``"tiny"`` or a local HF directory."""
+    """A target model and its tokenizer from ``"tiny"``, ``"smollm2"``, ``"smollm2-arch"``
+    (random weights, for timing) or a local HF directory."""
     if spec == "tiny":
         return Loaded(tiny_target(dtype=dtype).to(device), ByteTokenizer(), "tiny")
+    if spec == "smollm2-arch":
+        return Loaded(smollm2_arch_target(dtype=dtype).to(device), ByteTokenizer(), "smollm2-arch")
     if spec == "smollm2":
         from .data.smollm2 import load_smollm2
         model, tokenizer = load_smollm2(dtype=dtype, device=device)
         return Loaded(model, tokenizer, "SmolLM2-135M-Instruct")
     if not os.path.isdir(spec):
-        raise FileNotFoundError(f"target {spec!r} is neither 'tiny', 'smollm2' nor a local model directory")
+        raise FileNotFoundError(f"target {spec!r} is neither 'tiny', 'smollm2', 'smollm2-arch' nor a local model "
+                                "directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval().to(device)
     return Loaded(model, AutoTokenizer.from_pretrained(spec), os.path.basename(os.path.normpath(spec)))
@@ -88,11 +106,12 @@ def default_target() -> str:
     return "smollm2" if shipped_drafter("SmolLM2-135M-Instruct") else "tiny"
 
 
-def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1) -> BlockDrafter:
+def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft_vocab: bool = True) -> BlockDrafter:
     """A saved drafter (directory) attached to ``target``, or with ``None`` a freshly
-    initialised one (random: expect almost no accepted tokens)."""
+    initialised one (random: expect almost no accepted tokens). ``draft_vocab=False`` ignores
+    a saved draft vocabulary (drafts over the full one)."""
     if spec:
-        return BlockDrafter.from_pretrained(spec, target).eval()
+        return BlockDrafter.from_pretrained(spec, target, use_draft_vocab=draft_vocab).eval()
     log.warning("no drafter given: using a randomly initialised one (its drafts will rarely be accepted)")
     torch.manual_seed(seed)
     return BlockDrafter.from_target(target).to(next(target.parameters()).dtype).eval()

@@ -43,9 +43,16 @@ def check_tree(parents: torch.Tensor, num_nodes: torch.Tensor, op: str = "dartre
                          f"0 <= parent < {i} (nodes in topological order, parent before child)")
 
 
+def _layout_ok(parents: torch.Tensor, num_nodes: torch.Tensor) -> bool:
+    return (parents.dim() == 2 and num_nodes.dim() == 1 and num_nodes.shape[0] == parents.shape[0]
+            and parents.dtype == torch.int32 and num_nodes.dtype == torch.int32
+            and 1 <= parents.shape[1] <= MAX_TREE_NODES and parents.device == num_nodes.device)
+
+
 def _maybe_check(parents: torch.Tensor, num_nodes: torch.Tensor, validate: bool, op: str) -> None:
-    # CPU kernels always check values themselves.
-    if validate and parents.device.type != "cpu":
+    # CPU kernels always check values themselves. A bad layout (dtype, rank, batch, size) is left
+    # to the op's own checks, so the error is the same on every device.
+    if validate and parents.device.type != "cpu" and _layout_ok(parents, num_nodes):
         check_tree(parents, num_nodes, op)
 
 

@@ -146,11 +146,13 @@ def parse_width(text: str) -> int | tuple[int, ...]:
 def build_dartree(head: GRUCorrectionHead, drafter_hidden: torch.Tensor, base_logits: torch.Tensor,
                   root_tokens: torch.Tensor, root_state: torch.Tensor, k: int = 64,
                   width: int | Sequence[int] = 12, budget: int = 64, depth_bonus: float = -0.2,
-                  fixed: bool = False) -> Tree:
+                  fixed: bool = False, vocab: torch.Tensor | None = None) -> Tree:
     """DARTree for one drafter pass: ``drafter_hidden [B, D, H]``, ``base_logits [B, D, V]``,
     ``root_tokens int64[B]``, ``root_state [B, G]``. Returns at most ``budget + 1`` nodes per
     request (root included). ``width``: W for every depth, or per-depth widths
-    (:func:`depth_widths`). ``fixed=True``: ``budget // D`` children per depth, no pruning."""
+    (:func:`depth_widths`). ``fixed=True``: ``budget // D`` children per depth, no pruning.
+    ``vocab int64[V']``: ``base_logits`` are over a draft vocabulary whose entry ``i`` is target
+    token ``vocab[i]``."""
     depth = drafter_hidden.shape[1]
     if depth < 1:
         raise ValueError("drafter_hidden must have at least one position (dim 1)")
@@ -159,6 +161,8 @@ def build_dartree(head: GRUCorrectionHead, drafter_hidden: torch.Tensor, base_lo
     widths = [max(1, budget // depth)] * depth if fixed else depth_widths(width, depth)
     k = min(k, base_logits.shape[-1])
     cand_ids, cand_base = candidates(base_logits, k)
+    if vocab is not None:
+        cand_ids = vocab[cand_ids]
     z = head.project(drafter_hidden)
     supertree = ops.build_supertree(head, z.contiguous(), cand_ids.contiguous(),
                                     cand_base.to(head.w_s.dtype).contiguous(),

@@ -16,11 +16,32 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
 def test_generate_cli(capsys):
     assert generate_main(["--target", "tiny", "--max-new-tokens", "6", "--compare-ar", "--budget", "16",
-                          "--prompt", "hi"]) == 0
+                          "--prompt", "hi", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{"):])
     assert summary["new_tokens"] == 6 and summary["same_output_as_ar"] is True
     assert set(summary["time_split"]) == {"prefill", "draft", "tree", "verify", "bookkeeping"}
+    assert summary["dtype"] == "float32" and summary["budget"] == 16
+
+
+def test_generate_cli_defaults_auto_budget_and_dtype(tmp_path, monkeypatch, capsys):
+    """The defaults: the dtype measured here, each round's tree sized by the cost model (both
+    measured once and cached under $DARTREE_CACHE/cost), compared with plain decoding and HF."""
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    args = ["--target", "tiny", "--max-new-tokens", "6", "--compare-ar", "--compare-hf", "--prompt", "hi"]
+    assert generate_main(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["budget"] == "auto" and summary["dtype"] in ("float32", "bfloat16")
+    assert set(summary["dtype_forward_ms"]) == {"float32", "bfloat16"}
+    assert summary["speedup_vs_ar"] > 0 and summary["speedup_vs_hf_generate"] > 0
+    assert summary["new_tokens"] == 6 and "plain_rounds" in summary
+    cached = sorted(os.listdir(tmp_path / "cost"))
+    assert len(cached) == 2                      # the dtype choice and the cost model
+    assert generate_main(args) == 0              # the second run reads them back
+    assert sorted(os.listdir(tmp_path / "cost")) == cached
+    with pytest.raises(SystemExit):
+        generate_main(["--target", "tiny", "--budget", "0"])
 
 
 def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):

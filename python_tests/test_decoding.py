@@ -148,9 +148,10 @@ def chi2_quantile(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("method,temperature,top_p", [("dartree", 1.0, None), ("ddtree", 0.7, 0.9),
-                                                      ("chain", 1.0, None)])
-def test_sampling_distribution_matches_target(method, temperature, top_p):
+@pytest.mark.parametrize("method,temperature,top_p,budget", [("dartree", 1.0, None, 16), ("ddtree", 0.7, 0.9, 16),
+                                                             ("chain", 1.0, None, 16), ("dartree", 1.0, None, "auto"),
+                                                             ("chain", 0.7, 0.9, "auto")])
+def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
     """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary and compare the
     64 sequence frequencies with the target's exact probabilities (:func:`chi2_test`). Deterministic (fixed generator)."""
     from dartree_ext.sampling import _filter_top_p
@@ -169,7 +170,11 @@ def test_sampling_distribution_matches_target(method, temperature, top_p):
         logits = _filter_top_p(logits, top_p)
     logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].sum(-1)
     expected = logp.exp() * copies
-    dec = SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=4)
+    auto = {}
+    if budget == "auto":  # nodes nearly free: per-round trees from the calibrated scores, batch 3000
+        from dartree_ext.decoding.cost import CostModel
+        auto = dict(cost_model=CostModel.from_curve({0: 10.0, 10 ** 6: 11.0}), max_budget=16)
+    dec = SpeculativeDecoder(target, drafter, method, budget=budget, width=4, K=4, **auto)
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
                        top_p=top_p, generator=torch.Generator().manual_seed(11))
     gen = out.sequences[:, prompt.numel():]

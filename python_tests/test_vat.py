@@ -48,8 +48,10 @@ def run_both(backend, inputs, **options):
     draft, target, tokens, vh, valid = inputs
     results = []
     for fn, dev in ((api(backend).vat_loss, backend.device), (reference.vat_loss, torch.device("cpu"))):
-        d = draft.to(dev).requires_grad_(True)
-        h = None if vh is None else vh.to(dev).requires_grad_(True)
+        # fresh leaves every call: on the CPU .to() returns the input itself, and marking it would
+        # make the next call's copy to a GPU a non-leaf without .grad
+        d = draft.detach().to(dev).clone().requires_grad_(True)
+        h = None if vh is None else vh.detach().to(dev).clone().requires_grad_(True)
         opts = dict(options)
         if "seed" in opts:
             opts["generator"] = torch.Generator().manual_seed(opts.pop("seed"))

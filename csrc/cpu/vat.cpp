@@ -308,14 +308,15 @@ at::Tensor vat_row_backward_cpu(const at::Tensor& g_q, const at::Tensor& g_p, co
   return grad;
 }
 
+// In double, rounded once to float: the same value the reference and the CUDA kernel give.
 float block_weight(int64_t schedule, int64_t k, int64_t k_star, double gamma) {
-  const float g = static_cast<float>(gamma);
   switch (static_cast<kernels::VatSchedule>(schedule)) {
-    case kernels::VatSchedule::kVat: return k < k_star ? 1.0f : std::exp(-static_cast<float>(k - k_star) / g);
-    case kernels::VatSchedule::kDflash: return std::exp(-static_cast<float>(k - 1) / g);
+    case kernels::VatSchedule::kVat:
+      return k < k_star ? 1.0f : static_cast<float>(std::exp(-static_cast<double>(k - k_star) / gamma));
+    case kernels::VatSchedule::kDflash: return static_cast<float>(std::exp(-static_cast<double>(k - 1) / gamma));
     case kernels::VatSchedule::kPrefixOnly: return k < k_star ? 1.0f : 0.0f;
     case kernels::VatSchedule::kHardCutoff: return k <= k_star ? 1.0f : 0.0f;
-    default: return k < k_star ? 1.0f : std::exp(-static_cast<float>(k - 1) / g);
+    default: return k < k_star ? 1.0f : static_cast<float>(std::exp(-static_cast<double>(k - 1) / gamma));
   }
 }
 

@@ -266,19 +266,23 @@ __global__ void vat_row_backward_kernel(const Elem* draft, const Elem* target, c
   }
 }
 
-// Weight of 1-based position k of a block whose first rejection is k_star (see VatSchedule).
-DARTREE_DEVICE float vat_weight(int schedule, int k, int k_star, float decay_gamma) {
+// Weight of 1-based position k of a block whose first rejection is k_star (see VatSchedule). The
+// decay is computed in double and rounded once to float, as the CPU kernel and the reference do, so
+// every backend gets the same float (a device expf is not correctly rounded and differed by an ulp).
+DARTREE_DEVICE float vat_weight(int schedule, int k, int k_star, double decay_gamma) {
   switch (static_cast<VatSchedule>(schedule)) {
-    case VatSchedule::kVat: return k < k_star ? 1.0f : expf(-static_cast<float>(k - k_star) / decay_gamma);
-    case VatSchedule::kDflash: return expf(-static_cast<float>(k - 1) / decay_gamma);
+    case VatSchedule::kVat:
+      return k < k_star ? 1.0f : static_cast<float>(exp(-static_cast<double>(k - k_star) / decay_gamma));
+    case VatSchedule::kDflash: return static_cast<float>(exp(-static_cast<double>(k - 1) / decay_gamma));
     case VatSchedule::kPrefixOnly: return k < k_star ? 1.0f : 0.0f;
     case VatSchedule::kHardCutoff: return k <= k_star ? 1.0f : 0.0f;
-    default: return k < k_star ? 1.0f : expf(-static_cast<float>(k - 1) / decay_gamma);  // kUnshifted
+    default:  // kUnshifted
+      return k < k_star ? 1.0f : static_cast<float>(exp(-static_cast<double>(k - 1) / decay_gamma));
   }
 }
 
 __global__ void vat_block_weights_kernel(const float* accept, const uint8_t* valid, int64_t blocks, int k,
-                                         int schedule, float decay_gamma, int32_t* first_reject, float* weights) {
+                                         int schedule, double decay_gamma, int32_t* first_reject, float* weights) {
   const int64_t m = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (m >= blocks) return;
   const float* acc = accept + m * k;
@@ -390,7 +394,7 @@ void launch_vat_block_weights(const float* accept, const uint8_t* valid, int64_t
   constexpr int kThreads = 128;
   const unsigned grid = static_cast<unsigned>((blocks + kThreads - 1) / kThreads);
   DARTREE_LAUNCH(vat_block_weights_kernel, dim3(grid), dim3(kThreads), 0, stream, accept, valid, blocks, k, schedule,
-                 static_cast<float>(decay_gamma), first_reject, weights);
+                 decay_gamma, first_reject, weights);
 }
 
 }  // namespace kernels

@@ -26,12 +26,16 @@ from .. import ops
 from .._widths import canonical_width
 from ..models import BlockDrafter
 from ..sampling import target_tokens_from_logits
-from ..tree import Tree, build_dartree, candidates, depth_widths, seq_heap, supertree_as_tree
+from ..tree import Tree, build_dartree, candidates, depth_widths, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
+from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
+AUTO_METHODS = ("chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
+MAX_SKIP_ROUNDS = 16
+RECENT_ROUNDS = 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
 
 
@@ -63,6 +67,7 @@ class DecodingStats:
     time: dict[str, float]                  # seconds per phase (PHASES)
     tree_nodes: list[int] = dataclasses.field(default_factory=list)   # draft nodes per verified tree
     nodes_per_depth: Counter = dataclasses.field(default_factory=Counter)
+    plain_rounds: int = 0                   # budget="auto": rounds verified without a draft (n = 0)
 
     @property
     def rounds(self) -> int:
@@ -104,6 +109,7 @@ class DecodingStats:
             "time_per_token_ms": round(1e3 * total / max(1, self.new_tokens), 4),
             "time_split": {k: round(v / total, 4) if total else 0.0 for k, v in self.time.items()},
             "accept_histogram": self.accept_histogram(),
+            "plain_rounds": self.plain_rounds,
         }
 
 
@@ -139,15 +145,37 @@ class SpeculativeDecoder:
     children kept per depth by ``dartree`` (or per-depth widths ``(w1, w2, ...)``, the last
     repeating: :func:`~dartree_ext.tree.depth_widths`); ``K`` = candidates per position;
     ``depth_bonus`` = beta (<= 0 keeps the pruned tree exactly the best-first heap's).
+
+    ``budget="auto"`` (methods in :data:`AUTO_METHODS`) sizes every round's tree to the machine:
+    the tree is built at ``max_budget`` nodes (the chain at its full length), each node's
+    acceptance probability is read off its score by an :class:`~dartree_ext.decoding.cost.AcceptanceCalibrator`
+    updated from every verified round, and the best ``n`` nodes are kept with ``n`` maximising
+    ``(1 + E[accepted(n)]) / (t_draft + t_tree + t_verify(n))`` under ``cost_model`` (measured
+    once per machine, model and dtype and cached on disk when not given:
+    :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
+    plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
+    most 16) before it is tried again.
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
-                 budget: int = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
-                 sync_timing: bool = True) -> None:
+                 budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
+                 sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
+                 calibrator: AcceptanceCalibrator | None = None) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-        if budget < 1:
+        self.auto = isinstance(budget, str)
+        if self.auto:
+            if budget != "auto":
+                raise ValueError(f"budget must be an int >= 1 or 'auto', got {budget!r}")
+            if method not in AUTO_METHODS:
+                raise ValueError(f"budget='auto' supports {', '.join(AUTO_METHODS)}, not {method!r}")
+            if max_budget < 1:
+                raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+            budget = max_budget
+        elif budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if K < 1:
             raise ValueError(f"K must be >= 1, got K={K}")
         depth_widths(width, 1)  # raises on a width < 1
@@ -159,6 +187,11 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.method = target, drafter, method
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
+        self.cost_model = cost_model
+        self.calibrator = calibrator if calibrator is not None else AcceptanceCalibrator()
+        self._skip = self._backoff = 0
+        self._overhead_ms = None
+        self._recent_depths: list[int] = []
         self._head = None
         if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
             self._head = drafter.export_head(dtype=drafter.context_proj.weight.dtype)
@@ -167,9 +200,13 @@ class SpeculativeDecoder:
 
     # trees ----------------------------------------------------------------------------------
     def build_tree(self, hidden: torch.Tensor | None, base_logits: torch.Tensor | None,
-                   root: torch.Tensor) -> Tree:
+                   root: torch.Tensor, vocab: torch.Tensor | None = None) -> Tree:
         """This decoder's draft tree for one drafter pass (``hidden [B, D', H]``,
-        ``base_logits [B, D', V]``, ``root int64[B]``)."""
+        ``base_logits [B, D', V]``, ``root int64[B]``; with a draft vocabulary, ``base_logits
+        [B, D', V']`` and ``vocab int64[V']`` its target ids)."""
+        def ids(i):
+            return i if vocab is None else vocab[i]
+
         batch, device, m = root.shape[0], root.device, self.method
         if m == "ar":
             return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
@@ -179,28 +216,88 @@ class SpeculativeDecoder:
         depth = base_logits.shape[1]
         if m == "chain":
             n = depth + 1
-            return Tree(tokens=torch.cat([root[:, None], base_logits.argmax(-1)], 1),
+            if self.auto:  # path log-probabilities, for the calibrated acceptance estimate
+                top = torch.log_softmax(base_logits.float(), -1).max(-1)
+                tokens, scores = ids(top.indices), torch.cat([torch.zeros(batch, 1, device=device),
+                                                              top.values.cumsum(1)], 1)
+            else:
+                tokens, scores = ids(base_logits.argmax(-1)), torch.zeros(batch, n, device=device)
+            return Tree(tokens=torch.cat([root[:, None], tokens], 1),
                         parents=(torch.arange(n, device=device, dtype=torch.int32) - 1).expand(batch, n).contiguous(),
                         depths=torch.arange(n, device=device, dtype=torch.int32).expand(batch, n).contiguous(),
-                        scores=torch.zeros(batch, n, device=device),
+                        scores=scores,
                         num_nodes=torch.full((batch,), n, dtype=torch.int32, device=device))
         k = min(self.K, base_logits.shape[-1])
         if m == "ddtree":
-            logprobs, ids = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
-            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids.contiguous(), root, self.budget))
+            logprobs, top = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
+            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids(top).contiguous(), root, self.budget))
         head = self._head
         root_state = torch.zeros(batch, head.w_s.shape[1], dtype=head.w_s.dtype, device=device)
         if m == "chain_corrected":
             cand_ids, cand_base = candidates(base_logits, k)
+            cand_ids = ids(cand_ids)
             sup = ops.build_supertree(head, head.project(hidden).contiguous(), cand_ids.contiguous(),
                                       cand_base.to(head.w_s.dtype).contiguous(), root_state, [1] * depth, 0.0)
             return supertree_as_tree(*sup, root)
         if m in ("dartree", "dartree_fixed"):
             return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=self.width,
-                                 budget=self.budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed")
+                                 budget=self.budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
+                                 vocab=vocab)
         cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
+        cand_ids = ids(cand_ids)
         return seq_heap(head, head.project(hidden), cand_ids, cand_base.to(head.w_s.dtype), root, root_state,
                         self.budget, self.depth_bonus)
+
+    def plain_tree(self, root: torch.Tensor) -> Tree:
+        """The root alone: a plain decoding step."""
+        batch, device = root.shape[0], root.device
+        return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
+                    depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+                    scores=torch.zeros(batch, 1, device=device),
+                    num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
+
+    def expected_accepted(self, tree: Tree) -> torch.Tensor:
+        """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
+        the rows, for ``n = 0 .. N - 1`` (calibrated node probabilities, best-first)."""
+        scores = tree.scores[:, 1:].float()
+        valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
+        scores = torch.where(valid, scores, float("-inf")).cpu()
+        order = scores.sort(1, descending=True).values
+        p = torch.where(order > float("-inf"), self.calibrator.predict(order), 0.0)
+        return torch.cat([torch.zeros(1), p.cumsum(1).sum(0)])
+
+    def choose_tree(self, tree: Tree, context: int) -> tuple[Tree, int]:
+        """``budget="auto"``: the tree cut to its best ``n`` nodes (``n`` chosen by the cost
+        model; the root alone for ``n = 0``) and ``n``."""
+        expected = self.expected_accepted(tree)
+        batch = tree.tokens.shape[0]
+        n, _ = choose_size(expected.tolist(), self._cost_with_overhead(), self.method, context, batch)
+        if n == 0:
+            return self.plain_tree(tree.tokens[:, 0]), 0
+        if n < int(tree.num_nodes.max()) - 1:
+            tree = prune(tree, n)
+        return tree, n
+
+    def _draft_depth(self, full: int) -> int:
+        """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
+        chosen in the last rounds (all of them until 4 rounds have been seen), so the search
+        can still grow; a deeper tree is never cut below what was chosen lately."""
+        if len(self._recent_depths) < 4:
+            return full
+        return max(1, min(full, max(self._recent_depths) + 2))
+
+    def _cost_with_overhead(self) -> CostModel:
+        cost = self.cost_model
+        extra = self._overhead_ms or 0.0
+        if not extra:
+            return cost
+        return dataclasses.replace(cost, verify_ms=[[v + extra for v in row] for row in cost.verify_ms])
+
+    def _ensure_cost_model(self) -> None:
+        if self.auto and self.cost_model is None:
+            self.cost_model = cached_cost_model(
+                self.target, self.drafter, methods=[self.method], progress=True,
+                decoder_kwargs=dict(width=self.width, K=self.K, depth_bonus=self.depth_bonus))
 
     # generation -----------------------------------------------------------------------------
     def _tick(self, times: dict[str, float], phase: str, start: float) -> float:
@@ -250,6 +347,9 @@ class SpeculativeDecoder:
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         stop = set(int(t) for t in (stop_token_ids or ()))
         pad_id = self._pad_token_id()
+        self._ensure_cost_model()
+        self._skip = self._backoff = 0
+        self._recent_depths = []
 
         times = {p: 0.0 for p in PHASES}
         stats = DecodingStats(self.method, [RequestStats(int(p.numel())) for p in prompts], times)
@@ -293,17 +393,37 @@ class SpeculativeDecoder:
             past_valid = (slot[None] >= pad[:, None]) & (slot[None] < length[:, None])
             position = length - pad  # the root's position
 
-            hidden = base_logits = None
-            if need_ctx:
+            hidden = base_logits = vocab = None
+            drafting = need_ctx and self._skip == 0
+            if self._skip:
+                self._skip -= 1
+            if drafting:
                 if context is None:
                     context = torch.zeros(rows, 0, drafter.config.hidden_size, dtype=drafter.context_proj.weight.dtype,
                                           device=device)
                 draft = drafter(root, position, context[:, :cache_len], (slot[None] - pad[:, None]).clamp(min=0),
                                 past_valid)
-                hidden, base_logits = draft.hidden, draft.base_logits
+                hidden, base_logits, vocab = draft.hidden, draft.base_logits, draft.vocab
             t = self._tick(times, "draft", t)
 
-            tree = self.build_tree(hidden, base_logits, root)
+            if need_ctx and not drafting:
+                tree, chosen = self.plain_tree(root), 0
+            else:
+                if self.auto and hidden is not None:  # no deeper than recent chosen trees + 2
+                    keep = self._draft_depth(hidden.shape[1])
+                    hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
+                tree = self.build_tree(hidden, base_logits, root, vocab)
+                chosen = None
+                if self.auto:
+                    full = tree
+                    tree, chosen = self.choose_tree(tree, cache_len)
+                    if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
+                        self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
+                        self._skip = self._backoff
+                    else:
+                        self._backoff = 0
+                    if chosen:
+                        self._recent_depths = (self._recent_depths + [int(tree.depths.max())])[-RECENT_ROUNDS:]
             t = self._tick(times, "tree", t)
 
             mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past_valid, dtype)
@@ -313,6 +433,7 @@ class SpeculativeDecoder:
             target_tokens = target_tokens_from_logits(out.logits, temperature, top_k, top_p, generator)
             accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
             t = self._tick(times, "verify", t)
+            round_start_bookkeeping = t
 
             # commit: accepted path (root + accepted nodes) enters the cache, bonus is the next root
             lengths = (accept_len + 1).to(torch.int32)
@@ -333,6 +454,10 @@ class SpeculativeDecoder:
                 rows_idx = torch.arange(rows, device=device)[:, None].expand(-1, width)
                 context[rows_idx[in_path], dst[in_path]] = new_ctx[in_path]
             path_tokens = tree.tokens.gather(1, nodes)
+            if self.auto and chosen:
+                self._calibrate(tree, accept_nodes)
+            elif self.auto and chosen == 0 and drafting:
+                self._calibrate_unverified(full, target_tokens[:, 0])
             length = length + lengths
             root = bonus
 
@@ -343,6 +468,8 @@ class SpeculativeDecoder:
             if self.method != "ar":
                 depth_counts = torch.bincount(tree.depths[tree.depths > 0].long()).tolist()
                 stats.nodes_per_depth.update({d: c for d, c in enumerate(depth_counts) if d > 0})
+            if need_ctx and chosen == 0:
+                stats.plain_rounds += rows
             keep = []
             for row, req in enumerate(active.tolist()):
                 rs = stats.requests[req]
@@ -375,6 +502,8 @@ class SpeculativeDecoder:
                 if keep:
                     select_requests_(cache, idx)
             t = self._tick(times, "bookkeeping", t)
+            spent = 1e3 * (t - round_start_bookkeeping)
+            self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
         if bar is not None:
             bar.close()
 
@@ -385,6 +514,26 @@ class SpeculativeDecoder:
         return GenerationOutput(sequences=torch.cat([input_ids, tail], 1), stats=stats)
 
     # helpers --------------------------------------------------------------------------------
+    def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
+        """Feed the verified draft nodes (accepted or not) to the calibrator."""
+        n = tree.tokens.shape[1]
+        valid = torch.arange(n, device=tree.scores.device)[None] < tree.num_nodes[:, None]
+        valid[:, 0] = False
+        hit = torch.zeros_like(valid)
+        path = accept_nodes.long()
+        hit.scatter_(1, path.clamp(min=0), path >= 0)
+        hit[:, 0] = False
+        self.calibrator.update(tree.scores[valid], hit[valid])
+
+    def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
+        """A round that verified no draft still tells which depth-1 nodes were right (the
+        target's token after the root): feed those, so a pessimistic calibration can recover."""
+        first = (tree.parents == 0) & (torch.arange(tree.tokens.shape[1], device=tree.tokens.device)[None]
+                                        < tree.num_nodes[:, None])
+        first[:, 0] = False
+        hit = first & (tree.tokens == target_first[:, None])
+        self.calibrator.update(tree.scores[first], hit[first])
+
     def _new_cache(self):
         from transformers import DynamicCache
         return DynamicCache(config=self.target.config)

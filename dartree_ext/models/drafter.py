@@ -222,7 +222,48 @@ class VerificationHead(nn.Module):
 @dataclasses.dataclass
 class DraftOutput:
     hidden: torch.Tensor       # [B, D - 1, H]: drafter hidden states of the drafted positions
-    base_logits: torch.Tensor  # [B, D - 1, V]
+    base_logits: torch.Tensor  # [B, D - 1, V], or [B, D - 1, V'] over the draft vocabulary
+    vocab: torch.Tensor | None = None  # int64[V']: target id of each draft-vocabulary entry (None: all V)
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Indices into ``base_logits``' last dim -> target token ids."""
+        return ids if self.vocab is None else self.vocab[ids]
+
+
+DRAFT_VOCAB_NAME = "draft_vocab.json"
+
+
+def check_draft_vocab(ids, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary as ``int64[V']``: distinct target ids in ``[0, vocab_size)``."""
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary is a non-empty 1-D list of integer token ids, got {ids.dtype}"
+                         f"{list(ids.shape)}")
+    ids = ids.long()
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(f"draft vocabulary ids must be in [0, {vocab_size}); got {int(ids[bad][0])}")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("draft vocabulary ids must be distinct")
+    return ids
+
+
+def frequent_tokens(sequences, size: int, always=()) -> list[int]:
+    """The ``size`` most frequent token ids in ``sequences`` (ties to the lower id), ``always``
+    first (e.g. stop tokens): a draft vocabulary (FR-Spec / EAGLE-3's d2t)."""
+    from collections import Counter
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    counts = Counter(int(t) for seq in sequences for t in seq)
+    chosen = list(dict.fromkeys(int(a) for a in always))
+    seen = set(chosen)
+    for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= size:
+            break
+        if tok not in seen:
+            chosen.append(tok)
+            seen.add(tok)
+    return chosen[:size]
 
 
 class BlockDrafter(nn.Module):
@@ -240,8 +281,26 @@ class BlockDrafter(nn.Module):
         self.correction_head = CorrectionHead(cfg)
         self.verification_head = VerificationHead(cfg)
         self._target_modules: tuple[nn.Module, nn.Module] | None = None
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: tuple | None = None
         if target is not None:
             self.attach(target)
+
+    def set_draft_vocab(self, ids) -> "BlockDrafter":
+        """Draft over a reduced vocabulary (``ids``: target token ids, e.g. the most frequent
+        ones, :func:`frequent_tokens`): the base logits are computed for these rows of the LM
+        head only and mapped back to target ids by :meth:`DraftOutput.target_ids`. Tokens
+        outside it are never drafted (verification stays exact). ``None`` restores the full one."""
+        self.draft_vocab = None if ids is None else check_draft_vocab(ids, self.config.vocab_size)
+        self._draft_head = None
+        return self
+
+    def _draft_head_weight(self) -> torch.Tensor:
+        w = self.lm_head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, w.detach()[self.draft_vocab.to(w.device)].contiguous())
+        return self._draft_head[1]
 
     # target --------------------------------------------------------------------------------
     @classmethod
@@ -370,6 +429,13 @@ class BlockDrafter(nn.Module):
             x = layer(x, block_pos, context, context_positions, context_mask)
         hidden = self.norm(x[:, 1:])
         head_w = self.lm_head.weight
+        if self.draft_vocab is not None and not self.training:
+            sub = self._draft_head_weight()
+            logits = hidden.to(sub.dtype) @ sub.T
+            bias = getattr(self.lm_head, "bias", None)
+            if bias is not None:
+                logits = logits + bias[self.draft_vocab.to(bias.device)]
+            return DraftOutput(hidden=hidden, base_logits=logits, vocab=self.draft_vocab.to(logits.device))
         logits = self.lm_head(hidden.to(head_w.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits)
 
@@ -384,15 +450,20 @@ class BlockDrafter(nn.Module):
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
+        if self.draft_vocab is not None:
+            with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
+                json.dump(self.draft_vocab.tolist(), f)
         save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
                    for k, v in self.state_dict().items()},
                   os.path.join(path, WEIGHTS_NAME))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: nn.Module,
-                        dtype: torch.dtype | None = None) -> "BlockDrafter":
+                        dtype: torch.dtype | None = None, use_draft_vocab: bool = True) -> "BlockDrafter":
         """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a
-        vocabulary, hidden-size or depth mismatch is a ``ValueError``)."""
+        vocabulary, hidden-size or depth mismatch is a ``ValueError``). A ``draft_vocab.json``
+        next to the weights sets the draft vocabulary (:meth:`set_draft_vocab`) unless
+        ``use_draft_vocab=False``."""
         from safetensors.torch import load_file
         cfg_path = os.path.join(path, CONFIG_NAME)
         if not os.path.isfile(cfg_path):
@@ -406,6 +477,13 @@ class BlockDrafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
                              f"unexpected {unexpected}")
+        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        if use_draft_vocab and os.path.isfile(vocab_path):
+            with open(vocab_path) as f:
+                try:
+                    drafter.set_draft_vocab(json.load(f))
+                except ValueError as e:
+                    raise ValueError(f"{vocab_path}: {e}") from None
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=dtype or param.dtype)
 

@@ -1,0 +1,466 @@
+"""Per-round tree size from a measured cost model and calibrated acceptance.
+
+A round costs ``t_draft + t_tree + t_verify(n, L)`` (``n`` draft nodes verified over a cache of
+``L`` tokens) and yields ``1 + E[accepted(n)]`` tokens. :func:`choose_size` picks the ``n`` that
+maximises the ratio; ``n = 0`` is a plain decoding step (no draft: ``1 / t_verify(0, L)``).
+
+* :class:`CostModel`: the measured (or user-given) costs. ``verify_ms[i][j]`` is the target
+  forward over ``nodes[j] + 1`` tokens after a cache of ``contexts[i]`` tokens;
+  :func:`measure_cost_model` times it on the machine at hand (interleaved repetitions, medians;
+  CUDA events on a GPU) and :func:`cached_cost_model` keeps it on disk, keyed by everything that
+  changes it (model config, dtype, device model, threads, torch and library versions).
+* :class:`AcceptanceCalibrator`: P(node accepted | its tree score), per score bin, learned online
+  from the rounds actually verified. ``E[accepted(n)]`` of the best ``n`` nodes (best-first, so
+  every prefix is a valid tree) is the sum of their probabilities.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COST_MODEL_VERSION = 1
+DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_CONTEXTS = (64, 512)
+
+
+def _check_curve(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:
+    if len(xs) != len(ys) or not xs:
+        raise ValueError(f"{name}: need one time per point, got {len(xs)} points and {len(ys)} times")
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise ValueError(f"{name}: points must be strictly increasing, got {list(xs)}")
+    if any(not math.isfinite(y) or y <= 0 for y in ys):
+        raise ValueError(f"{name}: times must be finite and > 0, got {list(ys)}")
+    if any(b < a for a, b in zip(ys, ys[1:])):
+        raise ValueError(f"{name}: a cost curve must not decrease with more nodes, got {list(ys)} at {list(xs)}")
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear, extrapolated linearly past the last point (never below the last value)."""
+    if x <= xs[0]:
+        return ys[0]
+    i = bisect.bisect_right(xs, x) - 1
+    if i >= len(xs) - 1:
+        if len(xs) == 1:
+            return ys[-1]
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return ys[-1] + slope * (x - xs[-1])
+    a, b = xs[i], xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - a) / (b - a)
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Round costs in milliseconds. ``verify_ms[i][j]``: target forward over ``nodes[j] + 1``
+    tokens (root + ``nodes[j]`` draft nodes) after ``contexts[i]`` cached tokens; ``draft_ms``:
+    one drafter pass; ``tree_ms``: tree construction per method (0 where absent)."""
+
+    nodes: list[int]
+    contexts: list[int]
+    verify_ms: list[list[float]]
+    draft_ms: float = 0.0
+    tree_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.nodes or self.nodes[0] != 0:
+            raise ValueError(f"cost model: nodes must start at 0 (a plain decoding step), got {self.nodes}")
+        _check_curve("cost model contexts", self.contexts, [1.0] * len(self.contexts))
+        if len(self.verify_ms) != len(self.contexts):
+            raise ValueError(f"cost model: one verify curve per context, got {len(self.verify_ms)} curves for "
+                             f"{len(self.contexts)} contexts")
+        for c, row in zip(self.contexts, self.verify_ms):
+            _check_curve(f"cost model verify curve at context {c}", self.nodes, row)
+        if self.draft_ms < 0 or any(v < 0 for v in self.tree_ms.values()):
+            raise ValueError("cost model: draft and tree times must be >= 0")
+
+    @classmethod
+    def from_curve(cls, curve: dict[int, float] | Sequence[tuple[int, float]], draft_ms: float = 0.0,
+                   tree_ms: dict[str, float] | float = 0.0) -> "CostModel":
+        """A user's own curve ``{nodes: verify ms}`` (independent of the context length), e.g.
+        from a serving engine's profiler. It must include ``0`` and not decrease."""
+        items = sorted(curve.items() if isinstance(curve, dict) else curve)
+        nodes, ms = [int(n) for n, _ in items], [float(t) for _, t in items]
+        if isinstance(tree_ms, (int, float)):
+            tree_ms = {"*": float(tree_ms)}
+        return cls(nodes=nodes, contexts=[0], verify_ms=[ms], draft_ms=float(draft_ms), tree_ms=dict(tree_ms),
+                   meta={"source": "user"})
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes[-1]
+
+    def verify(self, n: float, context: float = 0.0) -> float:
+        """Target forward time (ms) for ``n`` draft nodes after ``context`` cached tokens."""
+        rows = [_interp(self.nodes, row, n) for row in self.verify_ms]
+        if len(rows) == 1:
+            return rows[0]
+        return max(rows[0], _interp(self.contexts, rows, context))
+
+    def tree(self, method: str) -> float:
+        return self.tree_ms.get(method, self.tree_ms.get("*", 0.0))
+
+    def round_ms(self, method: str, n: int, context: float = 0.0, batch: int = 1) -> float:
+        """One round: no draft for ``n = 0``; ``batch`` rows verify ``batch * (n + 1)`` tokens,
+        costed as one row of ``batch * (n + 1) - 1`` nodes (the weights are read once)."""
+        verify = self.verify(batch * (n + 1) - 1, context)
+        return verify if n == 0 else self.draft_ms + self.tree(method) + verify
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+# choosing n --------------------------------------------------------------------------------------
+def choose_size(expected: Sequence[float], cost: CostModel, method: str = "*", context: float = 0.0,
+                batch: int = 1) -> tuple[int, float]:
+    """``(n, tokens per ms)`` maximising ``(batch + E(n)) / round_ms(n)`` over ``n = 0..len(expected)-1``,
+    where ``expected[n]`` = expected accepted draft tokens of the best ``n`` nodes summed over the
+    batch (``expected[0] = 0``). Ties go to the smaller ``n``."""
+    if len(expected) == 0 or abs(float(expected[0])) > 1e-9:
+        raise ValueError("expected[0] must be 0 (no draft nodes accept nothing)")
+    best_n, best_rate = 0, batch / cost.round_ms(method, 0, context, batch)
+    for n in range(1, len(expected)):
+        rate = (batch + float(expected[n])) / cost.round_ms(method, n, context, batch)
+        if rate > best_rate * (1 + 1e-9):
+            best_n, best_rate = n, rate
+    return best_n, best_rate
+
+
+class AcceptanceCalibrator:
+    """P(a draft node is accepted | its tree score), learned online.
+
+    A node's score is its path log-probability under the drafter (with the correction head and
+    depth bonus for DARTree), so ``exp(score)`` is an uncalibrated acceptance probability. Scores
+    are binned (upper edges in ``bins``, log space); each bin keeps accepted / verified counts and
+    starts from a Beta prior of weight ``prior_weight`` centred on ``exp`` of the bin's midpoint:
+    optimistic for low scores (drafters are over-confident there), so a cold start tries trees
+    and learns, rather than settling on plain decoding with nothing observed. The estimate is made
+    non-increasing from the best bin to the worst (a running minimum), so a higher score never
+    predicts less.
+    """
+
+    DEFAULT_BINS = (-0.05, -0.1, -0.2, -0.35, -0.5, -0.75, -1.0, -1.5, -2.0, -2.5, -3.0, -4.0, -5.0, -7.0, -10.0)
+
+    def __init__(self, bins: Sequence[float] = DEFAULT_BINS, prior_weight: float = 4.0) -> None:
+        edges = sorted(bins, reverse=True)
+        if not edges or edges[0] >= 0 or len(set(edges)) != len(edges):
+            raise ValueError(f"bins must be distinct negative log-probabilities, got {list(bins)}")
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self.edges = torch.tensor(edges, dtype=torch.float32)  # descending upper edges
+        upper = torch.cat([torch.zeros(1), self.edges])
+        lower = torch.cat([self.edges, self.edges[-1:] - 2.0])
+        self.prior = ((upper + lower) / 2).exp().clamp(1e-4, 0.999)  # bin i covers (edges[i], upper[i]]
+        self.prior_weight = float(prior_weight)
+        self.hits = torch.zeros(len(upper), dtype=torch.float64)
+        self.trials = torch.zeros(len(upper), dtype=torch.float64)
+
+    def bin_of(self, scores: torch.Tensor) -> torch.Tensor:
+        """Bin index of each score (0 = the best bin)."""
+        s = scores.detach().float().cpu().nan_to_num(nan=-1e30)
+        return (s[..., None] <= self.edges).sum(-1)
+
+    def probabilities(self) -> torch.Tensor:
+        w = self.prior_weight
+        p = (self.hits + w * self.prior.double()) / (self.trials + w)
+        return torch.cummin(p, 0).values.float()
+
+    def predict(self, scores: torch.Tensor) -> torch.Tensor:
+        """P(accepted) for each score (same shape, float32, CPU)."""
+        return self.probabilities()[self.bin_of(scores)]
+
+    def update(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
+        """``scores`` of the verified draft nodes and whether each was on the accepted path."""
+        idx = self.bin_of(scores).reshape(-1)
+        self.trials += torch.bincount(idx, minlength=len(self.trials)).double()
+        self.hits += torch.bincount(idx, weights=accepted.reshape(-1).cpu().double(),
+                                    minlength=len(self.hits)).double()
+
+    def state_dict(self) -> dict:
+        return {"hits": self.hits.tolist(), "trials": self.trials.tolist()}
+
+
+# measuring -------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    root = os.environ.get("DARTREE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dartree_ext")
+    return os.path.join(root, "cost")
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return name
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU has bf16 arithmetic (AMX or avx512_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: torch.device | str,
+             nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
+    """What a measured cost model depends on; a change in any of it is a different cache entry."""
+    from .. import __version__
+    param = next(target.parameters())
+    cfg = target.config.to_json_string(use_diff=False) if hasattr(target.config, "to_json_string") else str(
+        target.config)
+    dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
+        drafter, "config") and hasattr(drafter.config, "to_dict") else ""
+    dparam = next(drafter.parameters()).dtype if drafter is not None and any(True for _ in drafter.parameters()) \
+        else None
+    return {
+        "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
+        "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "drafter": hashlib.sha256(dcfg.encode()).hexdigest()[:16],
+        "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
+        "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
+        "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
+    }
+
+
+def _key_path(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), f"{digest}.json")
+
+
+def _drop_last(cache, count: int) -> None:
+    """Remove the last ``count`` entries of every layer of a DynamicCache."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., :-count, :]
+        layer.values = layer.values[..., :-count, :]
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+
+
+@torch.no_grad()
+def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
+                       methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
+                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, progress: bool = False,
+                       decoder_kwargs: dict | None = None) -> CostModel:
+    """Time this machine: the target forward over root + ``n`` nodes (an additive tree mask, a
+    cache of each context length, hidden states out, as a decoding round runs it), the drafter
+    pass and each method's tree construction. Repetitions are interleaved over the points (the
+    machine's speed drifts) and the median kept; the curve is then made non-decreasing."""
+    from transformers import DynamicCache
+
+    from .. import ops
+    from .decoder import SpeculativeDecoder
+
+    nodes, contexts = sorted(set(int(n) for n in nodes) | {0}), sorted(set(int(c) for c in contexts))
+    param = next(target.parameters())
+    device, dtype = param.device, param.dtype
+    timer = _Timer(device)
+    vocab = int(target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config")
+                else target.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    import inspect
+    cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    need_hidden = drafter is not None
+    verify: list[list[float]] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(contexts) * len(nodes) * (reps + 1), desc="cost model: target", unit="fwd")
+    for ctx in contexts:
+        cache = DynamicCache(config=target.config)
+        if ctx > 0:
+            ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
+            target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        past = torch.ones(1, ctx, dtype=torch.bool, device=device)
+        samples: dict[int, list[float]] = {n: [] for n in nodes}
+        for rep in range(reps + 1):  # the first pass warms up
+            for n in nodes:
+                parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
+                mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
+                                               past, dtype)
+                ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
+                pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
+
+                def fwd():
+                    target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                           output_hidden_states=need_hidden, **{cache_kw: cache})
+
+                ms = timer(fwd)
+                _drop_last(cache, n + 1)
+                if rep:
+                    samples[n].append(ms)
+                if bar is not None:
+                    bar.update(1)
+        row = [statistics.median(samples[n]) for n in nodes]
+        for j in range(1, len(row)):  # measured noise must not make the curve decrease
+            row[j] = max(row[j], row[j - 1])
+        verify.append(row)
+    if bar is not None:
+        bar.close()
+
+    draft_ms, tree_ms = 0.0, {}
+    if drafter is not None:
+        ctx = contexts[-1] if contexts[-1] > 0 else 64
+        hidden_size = drafter.config.hidden_size
+        wdtype = drafter.context_proj.weight.dtype
+        context = torch.randn(1, ctx, hidden_size, generator=gen).to(device=device, dtype=wdtype)
+        cpos = torch.arange(ctx, device=device)[None]
+        cmask = torch.ones(1, ctx, dtype=torch.bool, device=device)
+        root = torch.randint(0, vocab, (1,), generator=gen).to(device)
+        rpos = torch.tensor([ctx], device=device)
+        out = None
+
+        def draft():
+            nonlocal out
+            out = drafter(root, rpos, context, cpos, cmask)
+
+        draft()
+        draft_ms = statistics.median(timer(draft) for _ in range(reps))
+        for method in methods:
+            if method == "ar":
+                continue
+            kw = dict(decoder_kwargs or {})
+            kw["budget"] = max(1, max(nodes))
+            dec = SpeculativeDecoder(target, drafter, method, **kw)
+            dec.build_tree(out.hidden, out.base_logits, root, out.vocab)
+            tree_ms[method] = statistics.median(
+                timer(lambda: dec.build_tree(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
+    meta = {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "reps": reps,
+            "threads": torch.get_num_threads() if device.type == "cpu" else 0, "torch": torch.__version__,
+            "bf16_native": cpu_bf16_native() if device.type == "cpu" else None,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return CostModel(nodes=nodes, contexts=contexts, verify_ms=verify, draft_ms=draft_ms, tree_ms=tree_ms, meta=meta)
+
+
+def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
+                      methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
+                      contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, refresh: bool = False,
+                      progress: bool = False, decoder_kwargs: dict | None = None) -> CostModel:
+    """:func:`measure_cost_model`, measured once per key (:func:`cost_key`) and kept in
+    ``$DARTREE_CACHE/cost/`` (default ``~/.cache/dartree_ext/cost``); ``refresh=True`` re-measures."""
+    device = next(target.parameters()).device
+    key = cost_key(target, drafter, device, nodes, contexts, methods)
+    path = _key_path(key)
+    if not refresh and os.path.isfile(path):
+        try:
+            model = CostModel.load(path)
+            if model.meta.get("key") == key:
+                return model
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("ignoring an unreadable cost model %s (%s)", path, e)
+    log.info("measuring the cost model for %s on %s (once; cached in %s)", key["dtype"], key["device"], path)
+    model = measure_cost_model(target, drafter, methods, nodes, contexts, reps, progress, decoder_kwargs)
+    model.meta["key"] = key
+    model.save(path)
+    return model
+
+
+# choosing the dtype --------------------------------------------------------------------------------
+@torch.no_grad()
+def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64) -> float:
+    from transformers import DynamicCache
+    param = next(model.parameters())
+    timer = _Timer(param.device)
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, vocab, (1, context), generator=gen).to(param.device)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(param.device)
+    samples = []
+    for rep in range(reps + 1):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ctx, use_cache=True, past_key_values=cache, logits_to_keep=1)
+        ms = timer(lambda: model(input_ids=ids, use_cache=True, past_key_values=cache))
+        if rep:
+            samples.append(ms)
+    return statistics.median(samples)
+
+
+def choose_dtype(model: torch.nn.Module, candidates: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+                 tokens: Sequence[int] = (1, 9), reps: int = 3, refresh: bool = False) -> tuple[torch.dtype, dict]:
+    """The fastest of ``candidates`` for this model on this machine: the sum of the forward
+    times over ``tokens`` new tokens (a plain step and a small tree), measured on copies of
+    ``model`` and cached like the cost model. On CUDA bf16 is taken without measuring. Returns
+    ``(dtype, {dtype name: ms})``."""
+    import copy
+    param = next(model.parameters())
+    if param.device.type == "cuda" and torch.bfloat16 in candidates:
+        return torch.bfloat16, {}
+    from .. import __version__
+    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+    key = {"kind": "dtype", "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
+           "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "device": device_name(param.device),
+           "threads": torch.get_num_threads(), "candidates": [str(c) for c in candidates], "tokens": list(tokens)}
+    path = _key_path(key)
+    times = None
+    if not refresh and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("key") == key:
+                times = saved["ms"]
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("ignoring an unreadable dtype choice %s (%s)", path, e)
+    if times is None:
+        times = {}
+        for dtype in candidates:
+            trial = model if param.dtype == dtype else copy.deepcopy(model).to(dtype)
+            times[str(dtype).replace("torch.", "")] = sum(_forward_ms(trial, n, reps) for n in tokens)
+            del trial
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"key": key, "ms": times}, f)
+    best = min(times, key=times.get)
+    return getattr(torch, best), times

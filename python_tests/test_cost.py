@@ -1,0 +1,248 @@
+"""Per-round tree sizing: the cost model (validation, interpolation, the on-disk cache and its
+key), the size chooser on synthetic curves with known optima, the acceptance calibrator, the
+dtype choice, and ``budget="auto"`` staying lossless (T = 0 equal to greedy generate for every
+method it supports, batch > 1, both when trees pay and when plain decoding wins)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
+from dartree_ext.decoding import cost as costmod  # noqa: E402
+from dartree_ext.decoding.cost import AcceptanceCalibrator, CostModel, choose_size  # noqa: E402
+from dartree_ext.decoding.decoder import AUTO_METHODS  # noqa: E402
+from dartree_ext.models import LookupDrafter  # noqa: E402
+from models import tiny_drafter, tiny_target  # noqa: E402
+from test_decoding import NEW, check_greedy, setup  # noqa: E402,F401  (setup: the fixture)
+
+
+
+# the cost model ---------------------------------------------------------------------------------
+def test_curve_must_not_decrease():
+    with pytest.raises(ValueError, match="must not decrease"):
+        CostModel.from_curve({0: 10.0, 4: 12.0, 8: 11.0})
+
+
+@pytest.mark.parametrize("curve,match", [({1: 10.0, 4: 12.0}, "start at 0"), ({0: 0.0, 4: 1.0}, "> 0"),
+                                         ({0: float("nan"), 4: 1.0}, "finite"), ({}, "start at 0")])
+def test_bad_curves(curve, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel.from_curve(curve)
+
+
+def test_bad_contexts_and_times():
+    with pytest.raises(ValueError, match="one verify curve per context"):
+        CostModel(nodes=[0, 1], contexts=[0, 100], verify_ms=[[1.0, 2.0]])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        CostModel(nodes=[0, 1], contexts=[100, 100], verify_ms=[[1.0, 2.0], [1.0, 2.0]])
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel.from_curve({0: 1.0, 2: 2.0}, draft_ms=-1.0)
+
+
+def test_interpolation_in_nodes_and_context():
+    cost = CostModel(nodes=[0, 4, 8], contexts=[100, 300], verify_ms=[[10.0, 14.0, 22.0], [20.0, 24.0, 32.0]],
+                     draft_ms=3.0, tree_ms={"dartree": 1.0})
+    assert cost.verify(2, 100) == pytest.approx(12.0)
+    assert cost.verify(6, 100) == pytest.approx(18.0)
+    assert cost.verify(12, 100) == pytest.approx(30.0)        # linear past the last point
+    assert cost.verify(4, 200) == pytest.approx(19.0)         # halfway between the contexts
+    assert cost.verify(0, 50) == pytest.approx(10.0)          # never below the shortest context's
+    assert cost.round_ms("dartree", 0, 100) == pytest.approx(10.0)       # plain step: no draft, no tree
+    assert cost.round_ms("dartree", 4, 100) == pytest.approx(14.0 + 3.0 + 1.0)
+    assert cost.round_ms("ddtree", 4, 100) == pytest.approx(14.0 + 3.0)  # no tree time measured for it
+    assert cost.round_ms("dartree", 1, 100, batch=4) == pytest.approx(cost.verify(7, 100) + 4.0)
+    again = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert again == cost
+
+
+# the chooser ------------------------------------------------------------------------------------
+def test_chooser_step_cost():
+    """Verification costs 10 ms up to 8 nodes and 20 past them; each node adds 0.5 expected
+    tokens: (1 + 4) / 10 at n = 8 beats (1 + 8) / 20 at n = 16 and every smaller tree."""
+    cost = CostModel.from_curve({0: 10.0, 8: 10.0, 9: 20.0, 16: 20.0})
+    n, rate = choose_size([0.5 * i for i in range(17)], cost)
+    assert (n, rate) == (8, pytest.approx(0.5))
+
+
+def test_chooser_geometric_acceptance():
+    """A chain whose i-th node is accepted with probability 0.5^i and t(n) = 10 + n ms:
+    (1 + 0.5 + 0.25) / 12 > (1 + 0.5 + 0.25 + 0.125) / 13 > 1.5 / 11, so n = 2."""
+    cost = CostModel.from_curve({0: 10.0, 64: 74.0})
+    expected = [sum(0.5 ** i for i in range(1, n + 1)) for n in range(16)]
+    assert choose_size(expected, cost)[0] == 2
+
+
+def test_chooser_falls_back_to_plain_decoding():
+    """A drafter pass as dear as a plain step: no tree pays for itself."""
+    cost = CostModel.from_curve({0: 10.0, 64: 12.0}, draft_ms=10.0)
+    assert choose_size([0.3 * i for i in range(65)], cost)[0] == 64      # 0.3 tokens per node for 1/32 ms
+    assert choose_size([min(0.3 * i, 0.5) for i in range(65)], cost) == (0, pytest.approx(0.1))
+
+
+def test_chooser_batch_and_bad_input():
+    cost = CostModel.from_curve({0: 10.0, 7: 10.0, 15: 30.0})
+    # two rows: n = 3 costs 7 nodes' time (10 ms) and gains 2 * 0.4 * 3 = 2.4 tokens
+    assert choose_size([0.8 * i for i in range(8)], cost, batch=2)[0] == 3
+    with pytest.raises(ValueError, match=r"expected\[0\] must be 0"):
+        choose_size([1.0, 2.0], cost)
+
+
+# the calibrator ---------------------------------------------------------------------------------
+def test_calibrator_learns_and_stays_monotone():
+    cal = AcceptanceCalibrator()
+    gen = torch.Generator().manual_seed(0)
+    scores = -torch.rand(20000, generator=gen) * 4
+    true = torch.where(scores > -1.0, 0.6, 0.05)        # over-confident drafter at low scores
+    hit = torch.rand(20000, generator=gen) < true
+    cal.update(scores, hit)
+    p = cal.predict(torch.tensor([-0.6, -0.9, -1.2, -3.5]))
+    assert p[:2].sub(0.6).abs().max() < 0.06 and p[2:].sub(0.05).abs().max() < 0.03
+    probs = cal.probabilities()
+    assert torch.all(probs[1:] <= probs[:-1])
+    # unseen bins keep the prior: exp of the bin's midpoint
+    fresh = AcceptanceCalibrator()
+    assert float(fresh.predict(torch.tensor([-0.6]))) == pytest.approx(float(torch.tensor(-0.625).exp()), rel=1e-5)
+    assert float(fresh.predict(torch.tensor([float("nan")]))) < 1e-3     # NaN ranks as the worst score
+
+
+def test_calibrator_bad_bins():
+    with pytest.raises(ValueError, match="negative"):
+        AcceptanceCalibrator(bins=(0.5, -1.0))
+    with pytest.raises(ValueError, match="prior_weight"):
+        AcceptanceCalibrator(prior_weight=0)
+
+
+# measuring and the cache ------------------------------------------------------------------------
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_measure_cost_model_tiny(cache_dir):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    cost = costmod.measure_cost_model(target, drafter, methods=["ddtree", "dartree"], nodes=[0, 2, 8],
+                                      contexts=[8, 32], reps=1, decoder_kwargs=dict(width=4, K=8))
+    assert cost.nodes == [0, 2, 8] and cost.contexts == [8, 32]
+    for row in cost.verify_ms:
+        assert all(b >= a > 0 for a, b in zip(row, row[1:]))
+    assert cost.draft_ms > 0 and set(cost.tree_ms) == {"ddtree", "dartree"}
+
+
+def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
+    calls = []
+
+    def fake_measure(target, drafter, methods, nodes, contexts, reps, progress, decoder_kwargs):
+        calls.append(torch.get_num_threads())
+        return CostModel(nodes=list(nodes), contexts=list(contexts),
+                         verify_ms=[[1.0 + n for n in nodes] for _ in contexts])
+
+    monkeypatch.setattr(costmod, "measure_cost_model", fake_measure)
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    kw = dict(methods=["dartree"], nodes=[0, 4], contexts=[16])
+    first = costmod.cached_cost_model(target, drafter, **kw)
+    assert len(calls) == 1
+    assert costmod.cached_cost_model(target, drafter, **kw) == first and len(calls) == 1   # read back
+    costmod.cached_cost_model(target, drafter, refresh=True, **kw)
+    assert len(calls) == 2
+    threads = torch.get_num_threads()
+    try:                                                  # another thread count is another machine setup
+        torch.set_num_threads(threads + 1)
+        costmod.cached_cost_model(target, drafter, **kw)
+        assert len(calls) == 3
+    finally:
+        torch.set_num_threads(threads)
+    costmod.cached_cost_model(target.to(torch.bfloat16), drafter, **kw)      # another dtype
+    assert len(calls) == 4
+    target.to(torch.float32)
+    other = tiny_target("llama", layers=2)                                    # another model
+    costmod.cached_cost_model(other, tiny_drafter(other), **kw)
+    assert len(calls) == 5
+    costmod.cached_cost_model(target, drafter, methods=["ddtree"], nodes=[0, 4], contexts=[16])  # other methods
+    assert len(calls) == 6
+    # a corrupted or foreign file is measured again, not trusted
+    path = costmod._key_path(costmod.cost_key(target, drafter, "cpu", [0, 4], [16], ["dartree"]))
+    with open(path, "w") as f:
+        f.write("{not json")
+    costmod.cached_cost_model(target, drafter, **kw)
+    assert len(calls) == 7
+    saved = json.load(open(path))
+    saved["meta"]["key"]["torch"] = "0.0"
+    json.dump(saved, open(path, "w"))
+    costmod.cached_cost_model(target, drafter, **kw)
+    assert len(calls) == 8
+    assert len(os.listdir(cache_dir / "cost")) == 5   # one file per key
+
+
+def test_choose_dtype_is_cached(cache_dir, monkeypatch):
+    times = {torch.float32: 5.0, torch.bfloat16: 3.0}
+    calls = []
+
+    def fake_forward(model, tokens, reps, context=64):
+        calls.append(tokens)
+        return times[next(model.parameters()).dtype]
+
+    monkeypatch.setattr(costmod, "_forward_ms", fake_forward)
+    target = tiny_target("llama")
+    dtype, ms = costmod.choose_dtype(target, tokens=(1, 9))
+    assert dtype == torch.bfloat16 and ms == {"float32": 10.0, "bfloat16": 6.0}
+    assert next(target.parameters()).dtype == torch.float32          # measured on a copy
+    assert costmod.choose_dtype(target, tokens=(1, 9))[0] == torch.bfloat16 and len(calls) == 4
+    times[torch.bfloat16] = 8.0
+    assert costmod.choose_dtype(target, tokens=(1, 9), refresh=True)[0] == torch.float32
+
+
+# decoding with budget="auto" -------------------------------------------------------------------
+TREES_PAY = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)     # nodes nearly free: big trees
+PLAIN_WINS = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
+
+
+@pytest.mark.parametrize("method", AUTO_METHODS)
+def test_auto_budget_lossless_with_long_paths(setup, method):
+    target, drafter, prompts, refs = setup
+    oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    dec = SpeculativeDecoder(target, oracle, method, budget="auto", width=4, K=8, max_budget=24, cost_model=TREES_PAY)
+    out = check_greedy(dec, prompts, refs, NEW)
+    assert out.stats.tau > 2.0 and out.stats.plain_rounds == 0
+    assert max(out.stats.tree_nodes) <= 24
+    assert dec.calibrator.trials.sum() > 0
+
+
+@pytest.mark.parametrize("method", AUTO_METHODS)
+def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, method, budget="auto", width=4, K=8, cost_model=PLAIN_WINS)
+    out = check_greedy(dec, prompts, refs, NEW)
+    assert out.stats.plain_rounds > out.stats.rounds // 2
+    assert out.stats.tau < 1.3
+    # after a plain round the drafter is skipped for a while: fewer drafter passes than rounds
+    assert out.stats.time["draft"] < out.stats.time["verify"]
+
+
+def test_auto_budget_picks_per_round_sizes(setup):
+    """A curve with a step at 6 nodes: the trees stay at most 6 nodes once calibrated."""
+    target, drafter, prompts, refs = setup
+    oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    step = CostModel.from_curve({0: 10.0, 6: 10.0, 7: 100.0, 64: 200.0}, draft_ms=0.1)
+    dec = SpeculativeDecoder(target, oracle, "ddtree", budget="auto", K=8, cost_model=step)
+    out = check_greedy(dec, prompts, refs, NEW)
+    assert max(out.stats.tree_nodes) <= 6 and out.stats.tau > 1.5
+
+
+def test_auto_budget_bad_input(setup):
+    target, drafter, _, _ = setup
+    with pytest.raises(ValueError, match="'auto'"):
+        SpeculativeDecoder(target, drafter, "dartree", budget="big")
+    with pytest.raises(ValueError, match="supports"):
+        SpeculativeDecoder(target, drafter, "seq_heap", budget="auto")
+    with pytest.raises(ValueError, match="max_budget"):
+        SpeculativeDecoder(target, drafter, "dartree", budget="auto", max_budget=0)
+    with pytest.raises(TypeError, match="CostModel"):
+        SpeculativeDecoder(target, drafter, "dartree", budget="auto", cost_model={0: 1.0})
