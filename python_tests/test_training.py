@@ -3,6 +3,7 @@ resume from a checkpoint, and DDP (2 CPU processes, gloo) = one process on the g
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 
@@ -172,6 +173,18 @@ def test_cached_features_match_the_target(tmp_path):
     again = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs, str(tmp_path / "f"),
                                batch_size=3, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(again.final, cache.final))
+
+
+def test_bf16_autocast_with_cached_features(tmp_path):
+    """``--bf16 --cache-features`` on the CPU: the float16 cache feeds a bf16-autocast step (a
+    float16 stack under CPU autocast used to raise)."""
+    from dartree_ext.training.features import FeatureCache
+    trainer = make_trainer(tmp_path, bf16=True)
+    seqs = [s for s, _ in trainer.sampler.seqs]
+    trainer.features = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs,
+                                          str(tmp_path / "f"), batch_size=4, progress=False)
+    rec = trainer.train_step()
+    assert math.isfinite(rec["loss"])
 
 
 def test_train_cli_runs_and_resumes(tmp_path, capsys):

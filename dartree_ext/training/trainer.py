@@ -116,8 +116,9 @@ def cached_target_pass(target: nn.Module, drafter: BlockDrafter, batch: BlockBat
     rows = torch.arange(seqs.shape[0], device=device)[:, None, None].expand_as(label_pos)
     labels = seqs[rows, label_pos]
     head = target.get_output_embeddings()
+    # float16 rows, widened before stacking: CPU bf16 autocast rejects a float16 stack
     finals = torch.stack([cache.final[i][(label_pos[r] - 1).clamp(min=0, max=cache.final[i].shape[0] - 1).cpu()]
-                          for r, i in enumerate(batch.indices)]).to(device=device, dtype=head.weight.dtype)
+                          .float() for r, i in enumerate(batch.indices)]).to(device=device, dtype=head.weight.dtype)
     logits = head(finals)
     flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
     return TargetBatch(features=features, logits=flat(logits), labels=flat(labels), valid=flat(valid))
