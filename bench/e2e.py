@@ -104,6 +104,48 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
                 peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None, outputs=outputs)
 
 
+def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_tokens: int, stops: list[int],
+           device: str, seed: int = 0) -> dict:
+    """HF ``generate`` on the same prompts (greedy, or sampling at T > 0), timed like ``run``: the
+    baseline that shows the ``ar`` loop is not a slow strawman."""
+    import time
+    seconds = tokens = 0
+    outputs = []
+    for g, group in enumerate(groups):
+        ids, mask = left_pad(group, device=device)
+        kw = dict(max_new_tokens=max_new_tokens, attention_mask=mask, eos_token_id=stops or None,
+                  pad_token_id=stops[0] if stops else 0)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False)
+        def timed(n):
+            if temperature > 0:
+                torch.manual_seed(seed + g)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                seq = target.generate(ids, **dict(kw, max_new_tokens=n))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return seq, time.perf_counter() - start
+
+        _, first = timed(1)        # prefill + the first token: left out, as the decoder's prefill is
+        seq, total = timed(max_new_tokens)
+        new = seq[:, ids.shape[1]:].tolist()
+        outs = []
+        for row in new:  # up to and including the first stop token, as the decoder returns them
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            outs.append(row[:cut])
+        seconds += max(0.0, total - first)
+        tokens += sum(len(o) for o in outs) - len(outs)
+        outputs.append(outs)
+    return dict(method="hf_generate", temperature=temperature, params={}, tau=1.0, tau_macro=1.0, seconds=seconds,
+                tokens=tokens, rounds=tokens, ms_per_token=1e3 * seconds / max(1, tokens), mean_tree_nodes=0.0,
+                split={}, accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=outputs)
+
+
 def budget_arg(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
@@ -196,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                         "widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf", action="store_true", help="also time HF generate on the same prompts (row "
+                        "'hf_generate': the time past the first token, as the decoder's rows leave prefill out)")
     parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
                         help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
                              "(the second labelled '@fullvocab')")
@@ -238,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         for temperature in temps:
             ar = run(target, None, "ar", groups, base_params, temperature, args.max_new_tokens, stops, args.device)
             results = [ar]
+            if args.hf:
+                results.append(run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device))
             for label, drafter in drafters:
                 if lookup:
                     refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]

@@ -219,11 +219,17 @@ def test_auto_budget_lossless_with_long_paths(setup, method):
 def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
     target, drafter, prompts, refs = setup
     dec = SpeculativeDecoder(target, drafter, method, budget="auto", width=4, K=8, cost_model=PLAIN_WINS)
-    out = check_greedy(dec, prompts, refs, NEW)
+    passes = []
+    forward = drafter.forward
+    drafter.forward = lambda *a: passes.append(1) or forward(*a)
+    try:
+        out = check_greedy(dec, prompts, refs, NEW)
+    finally:
+        del drafter.forward
     assert out.stats.plain_rounds > out.stats.rounds // 2
     assert out.stats.tau < 1.3
-    # after a plain round the drafter is skipped for a while: fewer drafter passes than rounds
-    assert out.stats.time["draft"] < out.stats.time["verify"]
+    # after a plain round the drafter is skipped for 1, 2, 4, ... rounds: few drafter passes
+    assert 0 < len(passes) < out.stats.rounds // 3
 
 
 def test_auto_budget_picks_per_round_sizes(setup):

@@ -73,6 +73,7 @@ class CostModel:
     draft_ms: float = 0.0
     tree_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     meta: dict = dataclasses.field(default_factory=dict)
+    overhead_ms: float | None = None  # per round besides the model; None: the decoder measures it as it runs
 
     def __post_init__(self) -> None:
         if not self.nodes or self.nodes[0] != 0:
@@ -83,20 +84,21 @@ class CostModel:
                              f"{len(self.contexts)} contexts")
         for c, row in zip(self.contexts, self.verify_ms):
             _check_curve(f"cost model verify curve at context {c}", self.nodes, row)
-        if self.draft_ms < 0 or any(v < 0 for v in self.tree_ms.values()):
-            raise ValueError("cost model: draft and tree times must be >= 0")
+        if self.draft_ms < 0 or any(v < 0 for v in self.tree_ms.values()) or (self.overhead_ms or 0) < 0:
+            raise ValueError("cost model: draft, tree and overhead times must be >= 0")
 
     @classmethod
     def from_curve(cls, curve: dict[int, float] | Sequence[tuple[int, float]], draft_ms: float = 0.0,
-                   tree_ms: dict[str, float] | float = 0.0) -> "CostModel":
+                   tree_ms: dict[str, float] | float = 0.0, overhead_ms: float | None = 0.0) -> "CostModel":
         """A user's own curve ``{nodes: verify ms}`` (independent of the context length), e.g.
-        from a serving engine's profiler. It must include ``0`` and not decrease."""
+        from a serving engine's profiler. It must include ``0`` and not decrease. The per-round
+        overhead is taken as given (``None``: measured by the decoder as it runs)."""
         items = sorted(curve.items() if isinstance(curve, dict) else curve)
         nodes, ms = [int(n) for n, _ in items], [float(t) for _, t in items]
         if isinstance(tree_ms, (int, float)):
             tree_ms = {"*": float(tree_ms)}
         return cls(nodes=nodes, contexts=[0], verify_ms=[ms], draft_ms=float(draft_ms), tree_ms=dict(tree_ms),
-                   meta={"source": "user"})
+                   meta={"source": "user"}, overhead_ms=overhead_ms)
 
     @property
     def max_nodes(self) -> int:
@@ -141,15 +143,17 @@ class CostModel:
 
 # choosing n --------------------------------------------------------------------------------------
 def choose_size(expected: Sequence[float], cost: CostModel, method: str = "*", context: float = 0.0,
-                batch: int = 1) -> tuple[int, float]:
-    """``(n, tokens per ms)`` maximising ``(batch + E(n)) / round_ms(n)`` over ``n = 0..len(expected)-1``,
-    where ``expected[n]`` = expected accepted draft tokens of the best ``n`` nodes summed over the
-    batch (``expected[0] = 0``). Ties go to the smaller ``n``."""
+                batch: int = 1, overhead_ms: float = 0.0) -> tuple[int, float]:
+    """``(n, tokens per ms)`` maximising ``(batch + E(n)) / (round_ms(n) + overhead_ms)`` over
+    ``n = 0..len(expected)-1``, where ``expected[n]`` = expected accepted draft tokens of the best
+    ``n`` nodes summed over the batch (``expected[0] = 0``) and ``overhead_ms`` is what every
+    round costs besides the model (the decoder's bookkeeping). Ties go to the smaller ``n``."""
     if len(expected) == 0 or abs(float(expected[0])) > 1e-9:
         raise ValueError("expected[0] must be 0 (no draft nodes accept nothing)")
-    best_n, best_rate = 0, batch / cost.round_ms(method, 0, context, batch)
+    best_n, best_rate = 0, batch / (cost.round_ms(method, 0, context, batch) + overhead_ms)
+    fixed = cost.draft_ms + cost.tree(method) + overhead_ms
     for n in range(1, len(expected)):
-        rate = (batch + float(expected[n])) / cost.round_ms(method, n, context, batch)
+        rate = (batch + float(expected[n])) / (fixed + cost.verify(batch * (n + 1) - 1, context))
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     return best_n, best_rate

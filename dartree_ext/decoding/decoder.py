@@ -167,7 +167,9 @@ class SpeculativeDecoder:
         if self.auto:
             if budget != "auto":
                 raise ValueError(f"budget must be an int >= 1 or 'auto', got {budget!r}")
-            if method not in AUTO_METHODS:
+            if method == "ar":  # plain decoding has no tree to size
+                self.auto = False
+            elif method not in AUTO_METHODS:
                 raise ValueError(f"budget='auto' supports {', '.join(AUTO_METHODS)}, not {method!r}")
             if max_budget < 1:
                 raise ValueError(f"max_budget must be >= 1, got {max_budget}")
@@ -271,7 +273,10 @@ class SpeculativeDecoder:
         model; the root alone for ``n = 0``) and ``n``."""
         expected = self.expected_accepted(tree)
         batch = tree.tokens.shape[0]
-        n, _ = choose_size(expected.tolist(), self._cost_with_overhead(), self.method, context, batch)
+        overhead = self.cost_model.overhead_ms
+        if overhead is None:
+            overhead = self._overhead_ms or 0.0
+        n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead)
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
         if n < int(tree.num_nodes.max()) - 1:
@@ -285,13 +290,6 @@ class SpeculativeDecoder:
         if len(self._recent_depths) < 4:
             return full
         return max(1, min(full, max(self._recent_depths) + 2))
-
-    def _cost_with_overhead(self) -> CostModel:
-        cost = self.cost_model
-        extra = self._overhead_ms or 0.0
-        if not extra:
-            return cost
-        return dataclasses.replace(cost, verify_ms=[[v + extra for v in row] for row in cost.verify_ms])
 
     def _ensure_cost_model(self) -> None:
         if self.auto and self.cost_model is None:
