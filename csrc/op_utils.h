@@ -227,9 +227,11 @@ inline void check_expand_weights(const char* op, const ExpandWeights& w, const a
   }
 }
 
-// Shared-memory sizes of the CUDA kernels: (G + E + K) and 4 G floats per block.
+// Shared-memory sizes of the CUDA kernels: (G + E + K + 33) floats for the scores and 4 G floats +
+// 33 candidates (264 bytes) for the update, within the 48 KiB a block gets without opting in:
+// G <= 3040 and E + G + K <= 12000.
 inline void check_expand_sizes(const char* op, int64_t e, int64_t g, int64_t k) {
-  TORCH_CHECK_VALUE(g <= 3072 && e + g + k <= 12000, op, ": head sizes too large: need G <= 3072 and E + G + K <= 12000,",
+  TORCH_CHECK_VALUE(g <= 3040 && e + g + k <= 12000, op, ": head sizes too large: need G <= 3040 and E + G + K <= 12000,",
                     " got E = ", e, ", G = ", g, ", K = ", k);
 }
 

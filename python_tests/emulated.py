@@ -290,7 +290,7 @@ _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class ExpandHead(ctypes.Structure):
     _fields_ = [("dtype", ctypes.c_int), ("w_s", _P), ("fc2_weight", _P), ("fc2_bias", _P), ("gru_table", _P),
-                ("w_hh", _P), ("b_hh", _P), ("e", _I), ("g", _I)]
+                ("w_hh", _P), ("b_hh", _P), ("e", _I), ("g", _I), ("v", ctypes.c_int64)]
 
 
 class ExpandInputs(ctypes.Structure):
@@ -317,4 +317,5 @@ def _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> ExpandHead
     def ptr(t):
         return None if t is None else t.data_ptr()
     return ExpandHead(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
-                      gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1])
+                      gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
+                      fc2_weight.shape[0])

@@ -195,3 +195,43 @@ def test_build_dartree_per_depth_widths():
     assert torch.equal(same.tokens, plain.tokens) and torch.equal(same.parents, plain.parents)
     numpy_width = build_dartree(head, hidden, logits, roots, state, k=k, width=np.int64(3), budget=budget)
     assert torch.equal(numpy_width.tokens, plain.tokens) and torch.equal(numpy_width.parents, plain.parents)
+
+
+def test_out_of_range_candidate_ids(backend):
+    """CPU: a ValueError naming cand_ids. CUDA (emulated and real, which cannot raise without a
+    synchronization): an id outside [0, V) is never read and scores -inf, so the expansion equals
+    the reference with those candidates' base logits at -inf; a row with no valid id gives -inf
+    children and reads nothing."""
+    batch, depth, k, widths = 2, 3, 5, [3, 3, 3]
+    head, z, cand_ids, cand_base, root_state = make_inputs(batch, depth, k, torch.float32, seed=5)
+    bad = cand_ids.clone()
+    bad[0, 0, 1], bad[1, 1, 4], bad[1, 2, 0] = VOCAB, 2 ** 40, -3   # just past the end, far away, negative
+    if backend.name == "cpu":
+        with pytest.raises(ValueError, match=r"cand_ids must be token ids in \[0, 40\)"):
+            backend.ops.build_supertree(head, z, bad, cand_base, root_state, widths, -0.2)
+        return
+    masked_base = torch.where(bad != cand_ids, float("-inf"), cand_base)
+    expected = reference.build_supertree(head, z, cand_ids, masked_base, root_state, widths, -0.2)
+    actual = backend.ops.build_supertree(head_on(head, backend.device), *backend.put(z, bad, cand_base, root_state),
+                                         widths, -0.2)
+    assert_expansion_close(actual, expected)
+    none_valid = cand_ids.clone()
+    none_valid[0, 0, :] = VOCAB + 7
+    tokens, parents, depths, scores = (t.cpu() for t in backend.ops.build_supertree(
+        head_on(head, backend.device), *backend.put(z, none_valid, cand_base, root_state), widths, -0.2))
+    assert bool(torch.isneginf(scores[0]).all()) and bool(torch.isfinite(scores[1]).all())
+
+
+@pytest.mark.parametrize("g, ok", [(3040, True), (3041, False)])
+def test_head_state_size_limit(g, ok):
+    """G is checked against what the CUDA update kernel's shared memory holds without opting in
+    (4 G floats + 33 candidates <= 48 KiB): G = 3041 is refused on every backend with a clear error."""
+    from dartree_ext import ops
+    head = GRUCorrectionHead.random(VOCAB, HIDDEN, 4, g, seed=0, bias=False)
+    z, ids = torch.zeros(1, 1, 4), torch.arange(3)[None, None]
+    args = (head, z, ids, torch.zeros(1, 1, 3), torch.zeros(1, g), [2], -0.2)
+    if ok:
+        ops.build_supertree(*args)
+    else:
+        with pytest.raises(ValueError, match="G <= 3040"):
+            ops.build_supertree(*args)

@@ -173,6 +173,15 @@ at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tens
   return child_states;
 }
 
+// Candidate ids must be rows of the head (the CUDA kernels instead score an out-of-range id -inf
+// without reading it, as they cannot raise without a synchronization).
+void check_cand_ids_cpu(const char* op, const at::Tensor& cand_ids, int64_t vocab) {
+  const int64_t* ids = cand_ids.data_ptr<int64_t>();
+  for (int64_t i = 0, n = cand_ids.numel(); i < n; ++i)
+    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < vocab, op, ": cand_ids must be token ids in [0, ", vocab,
+                      ") (rows of fc2_weight), got ", ids[i], " at flat index ", i);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_depth_cpu(
     const at::Tensor& z, const at::Tensor& cand_ids, const at::Tensor& cand_base, const at::Tensor& parent_states,
     const at::Tensor& parent_scores, const at::Tensor& num_parents, const at::Tensor& w_s, const at::Tensor& fc2_weight,
@@ -180,6 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
     const std::optional<at::Tensor>& b_hh, int64_t width, double depth_bonus) {
   const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_expand_depth_inputs(weights, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width);
+  check_cand_ids_cpu("expand_depth", cand_ids, fc2_weight.size(0));
   const int64_t batch = z.size(0), p_max = parent_states.size(1);
   const int32_t* counts = num_parents.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b)
@@ -204,6 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cpu(
     double depth_bonus) {
   const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
+  check_cand_ids_cpu("build_supertree", cand_ids, fc2_weight.size(0));
   const int64_t batch = z.size(0), depth = z.size(1);
   auto [tokens, parents, depths, scores, total] = allocate_supertree(cand_ids, widths);
   const CpuHead head(weights);

@@ -27,7 +27,8 @@ kernels::ExpandHead device_head(const ExpandWeights& w) {
                              w.w_hh.data_ptr(),
                              w.b_hh.has_value() ? w.b_hh->data_ptr() : nullptr,
                              static_cast<int>(w.w_s.size(0)),
-                             static_cast<int>(w.w_s.size(1))};
+                             static_cast<int>(w.w_s.size(1)),
+                             w.fc2_weight.size(0)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_depth_cuda(

@@ -44,6 +44,7 @@ struct HeadParams {  // ExpandHead with typed pointers
   const Elem* w_hh;        // [3G, G]
   const Elem* b_hh;        // [3G] or null
   int e, g;
+  int64_t v;
 };
 
 // grid (P, B). Writes cand_scores[b, p, k] = parent_scores[b, p] + log q(k | p) + depth_bonus for
@@ -72,6 +73,10 @@ __global__ void expand_scores_kernel(HeadParams<Elem> head, ExpandInputs in, flo
   const Elem* base = static_cast<const Elem*>(in.cand_base) + b * in.cand_stride;
   for (int c = warp; c < k; c += warps) {
     const int64_t id = ids[c];
+    if (id < 0 || id >= head.v) {  // uniform per warp: an out-of-range id reads nothing and scores -inf
+      if (lane == 0) s_logit[c] = kNegInf;
+      continue;
+    }
     const Elem* row = head.fc2_weight + id * head.e;
     float acc = 0.0f;
     for (int j = lane; j < head.e; j += warpSize) acc += to_float(row[j]) * s_hidden[j];
@@ -94,7 +99,8 @@ __global__ void expand_scores_kernel(HeadParams<Elem> head, ExpandInputs in, flo
 // that child, and computes its GRU state: gh = w_hh h + b_hh, r = s(gi_r + gh_r),
 // u = s(gi_z + gh_z), n = tanh(gi_n + r gh_n), h' = (1 - u) n + u h, where gi = gru_table[token]
 // (token embedding x W_ih^T + b_ih, precomputed). Block 0 also writes the next depth's parent
-// count. Shared: h (G) + gh (3G) floats.
+// count. Shared: h (G) + gh (3G) floats. With `out.child_states` null (the last depth, whose
+// children are never expanded) only the selection runs and no shared state is used.
 template <typename Elem>
 __global__ void expand_select_update_kernel(HeadParams<Elem> head, ExpandInputs in, const float* cand_scores,
                                             ExpandOutputs out) {
@@ -118,7 +124,8 @@ __global__ void expand_select_update_kernel(HeadParams<Elem> head, ExpandInputs 
     if (previous.index == kNoCandidate) break;
   }
   const int64_t slot = static_cast<int64_t>(b) * out.stride + w;
-  float* state_out = out.child_states + (static_cast<int64_t>(b) * in.width + w) * head.g;
+  float* state_out = out.child_states == nullptr ? nullptr
+                                                 : out.child_states + (static_cast<int64_t>(b) * in.width + w) * head.g;
   if (previous.index == kNoCandidate) {  // fewer than w + 1 children exist: padding
     if (threadIdx.x == 0) {
       out.parent_idx[slot] = -1;
@@ -127,7 +134,8 @@ __global__ void expand_select_update_kernel(HeadParams<Elem> head, ExpandInputs 
       out.tokens[slot] = 0;
       if (out.depths != nullptr) out.depths[slot] = -1;
     }
-    for (int j = threadIdx.x; j < head.g; j += blockDim.x) state_out[j] = 0.0f;
+    if (state_out != nullptr)
+      for (int j = threadIdx.x; j < head.g; j += blockDim.x) state_out[j] = 0.0f;
     return;
   }
   const int p = previous.index / k, c = previous.index % k;
@@ -139,16 +147,21 @@ __global__ void expand_select_update_kernel(HeadParams<Elem> head, ExpandInputs 
     out.tokens[slot] = token;
     if (out.depths != nullptr) out.depths[slot] = out.depth_value;
   }
+  if (state_out == nullptr) return;  // uniform per launch
   const float* h = in.parent_states + (static_cast<int64_t>(b) * in.p_max + p) * head.g;
   for (int j = threadIdx.x; j < head.g; j += blockDim.x) s_h[j] = h[j];
   __syncthreads();
   warp_rows_matvec(head.w_hh, head.b_hh, s_h, 3 * head.g, head.g, s_gh);
   __syncthreads();
-  const Elem* gi = head.gru_table + token * 3 * head.g;
+  // a -inf child with an out-of-range token (every candidate was out of range) reads no table row
+  const bool in_vocab = token >= 0 && token < head.v;
+  const Elem* gi = head.gru_table + (in_vocab ? token : 0) * 3 * head.g;
   for (int j = threadIdx.x; j < head.g; j += blockDim.x) {
-    const float r = sigmoid(to_float(gi[j]) + s_gh[j]);
-    const float u = sigmoid(to_float(gi[head.g + j]) + s_gh[head.g + j]);
-    const float n = tanhf(to_float(gi[2 * head.g + j]) + r * s_gh[2 * head.g + j]);
+    const float gi_r = in_vocab ? to_float(gi[j]) : 0.0f, gi_z = in_vocab ? to_float(gi[head.g + j]) : 0.0f;
+    const float gi_n = in_vocab ? to_float(gi[2 * head.g + j]) : 0.0f;
+    const float r = sigmoid(gi_r + s_gh[j]);
+    const float u = sigmoid(gi_z + s_gh[head.g + j]);
+    const float n = tanhf(gi_n + r * s_gh[2 * head.g + j]);
     state_out[j] = (1.0f - u) * n + u * s_h[j];
   }
 }
@@ -160,7 +173,8 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
                               static_cast<const Elem*>(weights.fc2_bias), static_cast<const Elem*>(weights.gru_table),
                               static_cast<const Elem*>(weights.w_hh),     static_cast<const Elem*>(weights.b_hh),
                               weights.e,
-                              weights.g};
+                              weights.g,
+                              weights.v};
   if (in.p_max > 0) {
     const size_t shared = sizeof(float) * (static_cast<size_t>(head.g) + head.e + in.k + 33);
     auto scores_kernel = expand_scores_kernel<Elem>;
@@ -168,7 +182,7 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
                    dim3(kExpandThreads), shared, stream, head, in, cand_scores);
   }
   if (in.width > 0) {
-    const size_t shared = sizeof(float) * 4 * static_cast<size_t>(head.g);
+    const size_t shared = out.child_states == nullptr ? 0 : sizeof(float) * 4 * static_cast<size_t>(head.g);
     auto update_kernel = expand_select_update_kernel<Elem>;
     DARTREE_LAUNCH(update_kernel, dim3(static_cast<unsigned>(in.width), static_cast<unsigned>(in.batch)),
                    dim3(kExpandThreads), shared, stream, head, in, cand_scores, out);
@@ -207,9 +221,10 @@ void launch_build_supertree(const ExpandHead& head, const SupertreeArgs& args, c
                           args.k,
                           static_cast<int>(width),
                           args.depth_bonus};
+    // the last depth's children are never expanded: no GRU update for them
     const ExpandOutputs out{args.parents + offset, nullptr, args.scores + offset, args.tokens + offset,
                             args.depths + offset,  total,   static_cast<int>(parent_offset), d + 1,
-                            args.states[next],     args.counts[next]};
+                            d + 1 < args.depth ? args.states[next] : nullptr, args.counts[next]};
     launch_expand_depth(head, in, args.cand_scores, out, stream);
     parent_offset = offset;
     offset += width;

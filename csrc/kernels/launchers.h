@@ -66,6 +66,8 @@ struct ExpandHead {  // weights, all of `dtype`, contiguous
   const void* w_hh;        // [3G, G]
   const void* b_hh;        // [3G] or null
   int e, g;
+  int64_t v;               // vocabulary (rows of fc2_weight and gru_table): a candidate id outside [0, V)
+                           // is never read; it scores -inf (the kernels stay memory-safe on bad ids)
 };
 
 struct ExpandInputs {  // one depth
