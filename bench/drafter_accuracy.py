@@ -54,7 +54,7 @@ def teacher_forced_accuracy(drafter, ids: torch.Tensor, hidden_states, start: in
         return [float("nan")] * positions
     draft = drafter(ids[0, anchors], anchors, context.expand(len(anchors), -1, -1), slots.expand(len(anchors), -1),
                     slots < anchors[:, None])
-    pred = draft.base_logits.argmax(-1)  # [A, D - 1]: position k predicts seq[anchor + k]
+    pred = draft.target_ids(draft.base_logits.argmax(-1))  # [A, D - 1]: position k predicts seq[anchor + k]
     acc = []
     for k in range(1, positions + 1):
         pos = anchors + k

@@ -1,29 +1,62 @@
-"""Copy a trained drafter into the package (bfloat16 weights, so it stays well under 25 MB).
+"""Copy a trained drafter into the package (bfloat16 weights, so it stays well under 25 MB), with
+a draft vocabulary: the most frequent tokens of the target's responses in the training data.
 
-    python bench/ship_drafter.py runs/smollm2_vat/drafter dartree_ext/drafters/smollm2-135m-vat
+    python bench/ship_drafter.py runs/smollm2_vat/drafter dartree_ext/drafters/smollm2-135m-vat \\
+        --responses runs/smollm2_vat/data.jsonl --draft-vocab 4096
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 from safetensors.torch import load_file, save_file
 
+try:  # the installed package; else the source tree (with an in-place build)
+    import dartree_ext  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-def main(src: str, dst: str) -> int:
+from dartree_ext.models import frequent_tokens  # noqa: E402
+
+SPECIAL = (0, 1, 2)  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: always draftable
+
+
+def main(argv=None) -> int:
     import torch
-    os.makedirs(dst, exist_ok=True)
-    state = load_file(os.path.join(src, "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "dartree_drafter.json")) as f:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--responses", default=None, help="JSON lines with 'response' token ids (the training data)")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (with --responses)")
+    args = p.parse_args(argv)
+    os.makedirs(args.dst, exist_ok=True)
+    state = load_file(os.path.join(args.src, "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
+              os.path.join(args.dst, "model.safetensors"))
+    with open(os.path.join(args.src, "dartree_drafter.json")) as f:
         config = json.load(f)
-    with open(os.path.join(dst, "dartree_drafter.json"), "w") as f:
+    with open(os.path.join(args.dst, "dartree_drafter.json"), "w") as f:
         json.dump(config, f, indent=2)
-    size = os.path.getsize(os.path.join(dst, "model.safetensors")) / 2 ** 20
-    print(f"{dst}: {sum(v.numel() for v in state.values()) / 1e6:.2f}M parameters, {size:.1f} MiB")
+    vocab_path = os.path.join(args.dst, "draft_vocab.json")
+    if args.responses:
+        with open(args.responses) as f:
+            responses = [json.loads(line)["response"] for line in f if line.strip()]
+        vocab = frequent_tokens(responses, args.draft_vocab, always=SPECIAL)
+        with open(vocab_path, "w") as f:
+            json.dump(vocab, f)
+        kept = set(vocab)
+        total = sum(len(r) for r in responses)
+        print(f"draft vocabulary: {len(vocab)} tokens, {sum(t in kept for r in responses for t in r) / total:.4f} "
+              f"of the {total} response tokens")
+    elif os.path.isfile(os.path.join(args.src, "draft_vocab.json")):
+        with open(os.path.join(args.src, "draft_vocab.json")) as f, open(vocab_path, "w") as g:
+            g.write(f.read())
+    size = os.path.getsize(os.path.join(args.dst, "model.safetensors")) / 2 ** 20
+    print(f"{args.dst}: {sum(v.numel() for v in state.values()) / 1e6:.2f}M parameters, {size:.1f} MiB")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(*sys.argv[1:3]))
+    raise SystemExit(main())

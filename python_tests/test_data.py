@@ -68,13 +68,20 @@ def test_training_prompts(P):
     # numbering those had (the committed response cache's p0 ... p602) never changes
     kinds = [p.source.split("/")[0] for p in train]
     first_new = min(i for i, k in enumerate(kinds) if k in ("stdlib-code", "math-word-problems"))
-    assert set(kinds[first_new:]) == {"stdlib-code", "math-word-problems"}
-    assert kinds.count("stdlib-code") >= 300 and kinds.count("math-word-problems") >= 250
+    third = min(i for i, k in enumerate(kinds) if k == "stdlib-methods")
+    assert set(kinds[first_new:third]) == {"stdlib-code", "math-word-problems"}
+    assert kinds.count("stdlib-code") >= 300 and kinds[first_new:third].count("math-word-problems") >= 250
+    # the third part (methods, more word problems) comes after the second, so p0 ... p1305 stay
+    assert set(kinds[third:]) == {"stdlib-methods", "math-word-problems"}
+    assert kinds.count("stdlib-methods") >= 200 and kinds[third:].count("math-word-problems") >= 1100  # duplicates dropped
     short = P.training_prompts(max_chars=1200)   # what dartree-train --prompts shipped reads
     first_short = min(i for i, p in enumerate(short) if p.source in ("stdlib-code", "math-word-problems"))
     assert first_short == 603 and [p.id for p in short[first_short:]] == [p.id for p in train[first_new:]]
+    assert [p.source for p in short].index("stdlib-methods") == 1306
     code = next(p for p in train if p.source == "stdlib-code")
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
+    method = next(p for p in train if p.source == "stdlib-methods")
+    assert "```python\nclass " in method.text and "    def " in method.text
 
 
 def test_near_duplicate_detector(P):

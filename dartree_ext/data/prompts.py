@@ -225,7 +225,36 @@ _NAMES = ("Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines
 _ITEMS = ("apples", "pencils", "stickers", "cookies", "marbles", "books", "cupcakes", "stamps", "shells", "cards")
 
 
-def _math_word_problems(n: int = 300, seed: int = 0) -> list[Prompt]:
+def _stdlib_methods() -> list[Prompt]:
+    """As :func:`_stdlib_code`, for the public methods (60-700 character docstrings) of the public
+    classes of the same modules."""
+    import importlib
+    import inspect
+    out = []
+    for name in _STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- a module this platform lacks
+            continue
+        for cname, cls in sorted(vars(mod).items()):
+            if cname.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
+                continue
+            for mname, fn in sorted(vars(cls).items()):
+                doc = inspect.getdoc(fn) if inspect.isfunction(fn) and not mname.startswith("_") else None
+                if not doc or not 60 <= len(doc) <= 700:
+                    continue
+                try:
+                    sig = str(inspect.signature(fn))
+                except (TypeError, ValueError):
+                    continue
+                body = "\n".join(("        " + line) if line else "" for line in doc.splitlines())
+                code = f'class {cname}:\n    def {mname}{sig}:\n        """\n{body}\n        """\n'
+                out.append(Prompt(f"stdlib-{name}.{cname}.{mname}", HUMANEVAL_TEMPLATE.format(prompt=code),
+                                  "stdlib-methods"))
+    return out
+
+
+def _math_word_problems(n: int = 300, seed: int = 0, prefix: str = "mathwp") -> list[Prompt]:
     """Arithmetic word problems from fixed templates with seeded random names and numbers (the
     kind of multi-step reasoning GSM8K asks for; none of its text)."""
     import random
@@ -261,7 +290,7 @@ def _math_word_problems(n: int = 300, seed: int = 0) -> list[Prompt]:
         a, b, c = rng.randint(3, 40), rng.randint(2, 25), rng.randint(2, 12)
         x, y = rng.sample(_NAMES, 2)
         text = templates[i % len(templates)](a, b, c, x, y, rng.choice(_ITEMS), rng.choice((10, 20, 25, 40, 50)))
-        out.append(Prompt(f"mathwp-{i}", text, "math-word-problems"))
+        out.append(Prompt(f"{prefix}-{i}", text, "math-word-problems"))
     return out
 
 
@@ -276,6 +305,9 @@ TRAINING_SOURCES = {
     "stdlib-code": "the Python standard library: signature + docstring of public pure-Python functions, in "
                    "HumanEval's request format",
     "math-word-problems": "arithmetic word problems from 12 fixed templates with seeded random names and numbers",
+    # the third part (after the second)
+    "stdlib-methods": "the public methods of the standard library's public classes, in HumanEval's request format",
+    "math-word-problems-2": "1200 more word problems from the same templates, another seed",
 }
 
 
@@ -328,10 +360,12 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
 
     The order is deterministic and interleaves the sources (round robin), so the first ``n`` are
     a mix of kinds: first the five original sources (603 prompts with ``max_chars=1200``), then
-    the code and math prompts added later (``stdlib-code``, ``math-word-problems``), so the
-    numbering of the first part never changes. ``max_chars`` drops longer (agent) prompts."""
+    the code and math prompts added later (``stdlib-code``, ``math-word-problems``: 1306 in all),
+    then a third part (``stdlib-methods``, ``math-word-problems-2``), so the numbering of the
+    earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
     parts = [[_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()],
-             [_stdlib_code(), _math_word_problems()]]
+             [_stdlib_code(), _math_word_problems()],
+             [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()

