@@ -252,3 +252,50 @@ def test_auto_budget_bad_input(setup):
         SpeculativeDecoder(target, drafter, "dartree", budget="auto", max_budget=0)
     with pytest.raises(TypeError, match="CostModel"):
         SpeculativeDecoder(target, drafter, "dartree", budget="auto", cost_model={0: 1.0})
+
+
+# saved calibration ------------------------------------------------------------------------------
+def test_calibration_state_round_trip_and_cap():
+    cal = AcceptanceCalibrator()
+    cal.update(torch.tensor([-0.6] * 200 + [-3.5] * 100), torch.tensor([True] * 150 + [False] * 50 + [False] * 100))
+    state = json.loads(json.dumps(cal.state_dict()))
+    again = AcceptanceCalibrator.from_state(state)
+    assert torch.equal(again.probabilities(), cal.probabilities())
+    capped = AcceptanceCalibrator.from_state(state, max_trials=32)
+    assert float(capped.trials.max()) == pytest.approx(32.0)
+    assert float(capped.predict(torch.tensor([-0.6]))) == pytest.approx(float(cal.predict(torch.tensor([-0.6]))),
+                                                                           abs=0.05)
+    with pytest.raises(ValueError, match="calibration state"):
+        AcceptanceCalibrator.from_state({"bins": state["bins"], "hits": [1.0], "trials": [0.5]})
+    with pytest.raises(ValueError, match="calibration state"):
+        AcceptanceCalibrator.from_state({"hits": []})
+
+
+def test_decoder_starts_from_the_drafters_saved_calibration(setup, tmp_path):
+    """A drafter saved with ``calibration.json`` gives each method and regime (greedy / sample)
+    its own starting counts; a bad entry is ignored with a warning."""
+    from dartree_ext.models import BlockDrafter
+    target, drafter, prompts, refs = setup
+    sure = AcceptanceCalibrator()
+    sure.update(torch.full((400,), -0.6), torch.ones(400, dtype=torch.bool))
+    drafter = BlockDrafter.from_pretrained(_saved(drafter, tmp_path, {"ddtree@greedy": sure.state_dict(),
+                                                                       "dartree@greedy": {"hits": [1]}}), target)
+    assert set(drafter.calibration) == {"ddtree@greedy", "dartree@greedy"}
+    dec = SpeculativeDecoder(target, drafter, "ddtree", budget="auto", K=8, cost_model=TREES_PAY)
+    assert float(dec.calibrator.predict(torch.tensor([-0.6]))) > 0.85          # from the saved counts (prior: 0.54)
+    assert float(dec.calibrator.trials.sum()) == pytest.approx(32.0)            # capped
+    check_greedy(dec, prompts, refs, NEW)
+    dec.generate(prompts[0][None], max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert set(dec._calibrators) == {"greedy", "sample"}
+    assert float(dec._calibrators["sample"].predict(torch.tensor([-0.6]))) < 0.6    # no saved sample counts
+    bad = SpeculativeDecoder(target, drafter, "dartree", budget="auto", K=8, cost_model=TREES_PAY)
+    assert float(bad.calibrator.trials.sum()) == 0.0
+
+
+def _saved(drafter, tmp_path, calibration):
+    drafter.calibration = calibration
+    try:
+        drafter.save_pretrained(tmp_path / "d")
+    finally:
+        drafter.calibration = {}
+    return tmp_path / "d"

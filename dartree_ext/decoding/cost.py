@@ -168,8 +168,8 @@ class AcceptanceCalibrator:
     starts from a Beta prior of weight ``prior_weight`` centred on ``exp`` of the bin's midpoint:
     optimistic for low scores (drafters are over-confident there), so a cold start tries trees
     and learns, rather than settling on plain decoding with nothing observed. The estimate is made
-    non-increasing from the best bin to the worst (a running minimum), so a higher score never
-    predicts less.
+    non-increasing from the best bin to the worst (isotonic regression, each bin weighted by its
+    evidence), so a higher score never predicts less.
     """
 
     DEFAULT_BINS = (-0.05, -0.1, -0.2, -0.35, -0.5, -0.75, -1.0, -1.5, -2.0, -2.5, -3.0, -4.0, -5.0, -7.0, -10.0)
@@ -195,8 +195,17 @@ class AcceptanceCalibrator:
 
     def probabilities(self) -> torch.Tensor:
         w = self.prior_weight
-        p = (self.hits + w * self.prior.double()) / (self.trials + w)
-        return torch.cummin(p, 0).values.float()
+        p = ((self.hits + w * self.prior.double()) / (self.trials + w)).tolist()
+        weight = (self.trials + w).tolist()
+        # isotonic (non-increasing) fit, weighted by each bin's evidence: pool adjacent violators
+        blocks: list[list[float]] = []  # [value, weight, bins]
+        for v, wt in zip(p, weight):
+            blocks.append([v, wt, 1])
+            while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+                v2, w2, n2 = blocks.pop()
+                v1, w1, n1 = blocks.pop()
+                blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+        return torch.tensor([v for v, _, n in blocks for _ in range(n)], dtype=torch.float32)
 
     def predict(self, scores: torch.Tensor) -> torch.Tensor:
         """P(accepted) for each score (same shape, float32, CPU)."""
@@ -210,7 +219,28 @@ class AcceptanceCalibrator:
                                     minlength=len(self.hits)).double()
 
     def state_dict(self) -> dict:
-        return {"hits": self.hits.tolist(), "trials": self.trials.tolist()}
+        return {"bins": self.edges.tolist(), "hits": self.hits.tolist(), "trials": self.trials.tolist()}
+
+    @classmethod
+    def from_state(cls, state: dict, max_trials: float | None = None,
+                   prior_weight: float = 4.0) -> "AcceptanceCalibrator":
+        """A calibrator starting from saved counts (:meth:`state_dict`, e.g. a drafter's
+        ``calibration.json``), each bin's counts scaled down to at most ``max_trials`` so that
+        what this run observes soon outweighs them."""
+        try:
+            cal = cls(bins=state["bins"], prior_weight=prior_weight)
+            hits = torch.tensor(state["hits"], dtype=torch.float64)
+            trials = torch.tensor(state["trials"], dtype=torch.float64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a calibration state ({e})") from None
+        if hits.shape != cal.hits.shape or trials.shape != cal.trials.shape or bool((hits < 0).any()) \
+                or bool((hits > trials).any()):
+            raise ValueError("a calibration state needs one hits <= trials pair per bin")
+        if max_trials is not None:
+            scale = (max_trials / trials.clamp(min=1e-9)).clamp(max=1.0)
+            hits, trials = hits * scale, trials * scale
+        cal.hits, cal.trials = hits, trials
+        return cal
 
 
 # measuring -------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 METHODS = ("ar", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
 AUTO_METHODS = ("chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
 MAX_SKIP_ROUNDS = 16
+CALIBRATION_PRIOR_TRIALS = 32.0
 RECENT_ROUNDS = 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
 
@@ -190,7 +191,9 @@ class SpeculativeDecoder:
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
-        self.calibrator = calibrator if calibrator is not None else AcceptanceCalibrator()
+        self._given_calibrator = calibrator
+        self._calibrators: dict[str, AcceptanceCalibrator] = {}
+        self.calibrator = calibrator if calibrator is not None else self._calibrator_for("greedy")
         self._skip = self._backoff = 0
         self._overhead_ms = None
         self._recent_depths: list[int] = []
@@ -291,6 +294,25 @@ class SpeculativeDecoder:
             return full
         return max(1, min(full, max(self._recent_depths) + 2))
 
+    def _calibrator_for(self, regime: str) -> AcceptanceCalibrator:
+        """One calibrator per regime ("greedy" or "sample": acceptance differs), started from the
+        drafter's saved counts for this method (``calibration.json``, capped at
+        :data:`CALIBRATION_PRIOR_TRIALS` per bin) when it has them, else from the default prior."""
+        if self._given_calibrator is not None:
+            return self._given_calibrator
+        if regime not in self._calibrators:
+            saved = (getattr(self.drafter, "calibration", None) or {}).get(f"{self.method}@{regime}")
+            if saved is not None:
+                try:
+                    cal = AcceptanceCalibrator.from_state(saved, max_trials=CALIBRATION_PRIOR_TRIALS)
+                except ValueError as e:
+                    log.warning("ignoring the drafter's calibration for %s@%s: %s", self.method, regime, e)
+                    cal = AcceptanceCalibrator()
+            else:
+                cal = AcceptanceCalibrator()
+            self._calibrators[regime] = cal
+        return self._calibrators[regime]
+
     def _ensure_cost_model(self) -> None:
         if self.auto and self.cost_model is None:
             self.cost_model = cached_cost_model(
@@ -346,6 +368,7 @@ class SpeculativeDecoder:
         stop = set(int(t) for t in (stop_token_ids or ()))
         pad_id = self._pad_token_id()
         self._ensure_cost_model()
+        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
         self._skip = self._backoff = 0
         self._recent_depths = []
 

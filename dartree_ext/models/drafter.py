@@ -231,6 +231,7 @@ class DraftOutput:
 
 
 DRAFT_VOCAB_NAME = "draft_vocab.json"
+CALIBRATION_NAME = "calibration.json"  # acceptance counts per tree-score bin, per "method@greedy|sample"
 
 
 def check_draft_vocab(ids, vocab_size: int) -> torch.Tensor:
@@ -283,6 +284,7 @@ class BlockDrafter(nn.Module):
         self._target_modules: tuple[nn.Module, nn.Module] | None = None
         self.draft_vocab: torch.Tensor | None = None
         self._draft_head: tuple | None = None
+        self.calibration: dict[str, dict] = {}  # saved acceptance counts (budget="auto" starts from them)
         if target is not None:
             self.attach(target)
 
@@ -453,6 +455,9 @@ class BlockDrafter(nn.Module):
         if self.draft_vocab is not None:
             with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
                 json.dump(self.draft_vocab.tolist(), f)
+        if self.calibration:
+            with open(os.path.join(path, CALIBRATION_NAME), "w") as f:
+                json.dump(self.calibration, f)
         save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
                    for k, v in self.state_dict().items()},
                   os.path.join(path, WEIGHTS_NAME))
@@ -484,6 +489,10 @@ class BlockDrafter(nn.Module):
                     drafter.set_draft_vocab(json.load(f))
                 except ValueError as e:
                     raise ValueError(f"{vocab_path}: {e}") from None
+        calibration_path = os.path.join(path, CALIBRATION_NAME)
+        if os.path.isfile(calibration_path):
+            with open(calibration_path) as f:
+                drafter.calibration = json.load(f)
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=dtype or param.dtype)
 
