@@ -69,39 +69,64 @@ def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
     return sets
 
 
+class Runner:
+    """One method on the prompt groups, one group per :meth:`step`, so every method can run on a
+    group before any runs on the next (interleaved: the machine's drift affects all alike)."""
+
+    def __init__(self, target, drafter, method: str, params: Params, temperature: float, max_new_tokens: int,
+                 stops: list[int], device: str, seed: int = 0) -> None:
+        self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
+                                      depth_bonus=params.depth_bonus)
+        self.method, self.params, self.temperature = method, params, temperature
+        self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
+        self.seconds = self.tokens = self.rounds = self.accepted = 0
+        self.split, self.hist, self.depth_nodes = Counter(), Counter(), Counter()
+        self.nodes, self.taus, self.outputs = [], [], []
+        self.peak = 0.0
+
+    def step(self, g: int, group: list[list[int]]) -> None:
+        ids, mask = left_pad(group)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed + g)
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = self.dec.generate(ids, mask, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                stop_token_ids=self.stops, generator=gen)
+        if self.device == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() / 2 ** 20)
+        st = out.stats
+        self.seconds += st.total_time - st.time["prefill"]
+        self.tokens += st.new_tokens
+        self.rounds += st.rounds
+        self.accepted += sum(sum(r.accepted) for r in st.requests)
+        self.taus += [r.tau for r in st.requests if r.rounds]
+        self.nodes += st.tree_nodes
+        self.hist.update(a for r in st.requests for a in r.accepted)
+        self.depth_nodes.update(st.nodes_per_depth)
+        self.split.update(st.time)
+        self.outputs.append([out.sequences[b, ids.shape[1]:ids.shape[1] + r.new_tokens].tolist()
+                             for b, r in enumerate(st.requests)])
+
+    def result(self) -> dict:
+        rounds, split = self.rounds, self.split
+        return dict(method=self.method, temperature=self.temperature, params=dataclasses.asdict(self.params),
+                    tau=self.accepted / rounds + 1 if rounds else 0.0,
+                    tau_macro=sum(self.taus) / len(self.taus) if self.taus else 0.0,
+                    seconds=self.seconds, tokens=self.tokens, rounds=rounds,
+                    ms_per_token=1e3 * self.seconds / max(1, self.tokens),
+                    mean_tree_nodes=sum(self.nodes) / max(1, len(self.nodes)),
+                    split={k: v / max(1e-12, sum(split.values())) for k, v in split.items()},
+                    accept_hist={int(k): v for k, v in sorted(self.hist.items())},
+                    nodes_per_depth={int(k): v / max(1, rounds) for k, v in sorted(self.depth_nodes.items())},
+                    peak_mib=self.peak if self.device == "cuda" else None, outputs=self.outputs)
+
+
 def run(target, drafter, method: str, groups: list[list[list[int]]], params: Params, temperature: float,
         max_new_tokens: int, stops: list[int], device: str, seed: int = 0) -> dict:
-    dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
-                             depth_bonus=params.depth_bonus)
-    seconds = tokens = rounds = accepted = 0
-    split, hist, depth_nodes, nodes, taus, outputs = Counter(), Counter(), Counter(), [], [], []
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    """One method on every group (see :class:`Runner`)."""
+    runner = Runner(target, drafter, method, params, temperature, max_new_tokens, stops, device, seed)
     for g, group in enumerate(groups):
-        ids, mask = left_pad(group)
-        gen = torch.Generator(device=device).manual_seed(seed + g)
-        out = dec.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
-                           generator=gen)
-        st = out.stats
-        seconds += st.total_time - st.time["prefill"]
-        tokens += st.new_tokens
-        rounds += st.rounds
-        accepted += sum(sum(r.accepted) for r in st.requests)
-        taus += [r.tau for r in st.requests if r.rounds]
-        nodes += st.tree_nodes
-        hist.update(a for r in st.requests for a in r.accepted)
-        depth_nodes.update(st.nodes_per_depth)
-        split.update(st.time)
-        outputs.append([out.sequences[b, ids.shape[1]:ids.shape[1] + r.new_tokens].tolist()
-                        for b, r in enumerate(st.requests)])
-    return dict(method=method, temperature=temperature, params=dataclasses.asdict(params),
-                tau=accepted / rounds + 1 if rounds else 0.0, tau_macro=sum(taus) / len(taus) if taus else 0.0,
-                seconds=seconds, tokens=tokens, rounds=rounds, ms_per_token=1e3 * seconds / max(1, tokens),
-                mean_tree_nodes=sum(nodes) / max(1, len(nodes)),
-                split={k: v / max(1e-12, sum(split.values())) for k, v in split.items()},
-                accept_hist={int(k): v for k, v in sorted(hist.items())},
-                nodes_per_depth={int(k): v / max(1, rounds) for k, v in sorted(depth_nodes.items())},
-                peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None, outputs=outputs)
+        runner.step(g, group)
+    return runner.result()
 
 
 def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_tokens: int, stops: list[int],
@@ -280,22 +305,37 @@ def main(argv: list[str] | None = None) -> int:
         # warm-up: one-time costs (allocator, first kernel calls) stay out of the figures
         SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*left_pad(groups[0]), max_new_tokens=4)
         for temperature in temps:
-            ar = run(target, None, "ar", groups, base_params, temperature, args.max_new_tokens, stops, args.device)
-            results = [ar]
-            if args.hf:
-                results.append(run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device))
+            # every method on a group before any on the next (interleaved against the machine's drift);
+            # the lookup drafter needs ar's outputs first
+            ar_runner = Runner(target, None, "ar", base_params, temperature, args.max_new_tokens, stops, args.device)
+            if lookup:
+                for g, group in enumerate(groups):
+                    ar_runner.step(g, group)
+            runners, hf_done = [], None
             for label, drafter in drafters:
                 if lookup:
-                    refs = [torch.tensor(p + o) for g, outs in zip(groups, ar["outputs"]) for p, o in zip(g, outs)]
+                    refs = [torch.tensor(p + o) for g, outs in zip(groups, ar_runner.outputs) for p, o in zip(g, outs)]
                     drafter = LookupDrafter(drafter, refs, miss=args.lookup_miss)
                 for params in variants:
                     for method in methods:
-                        r = run(target, drafter, method, groups, params, temperature, args.max_new_tokens, stops,
-                                args.device)
-                        r["drafter"] = label or args.drafter
-                        if label:
-                            r["method"] = f"{method}@{label}"
-                        results.append(r)
+                        runners.append((label, Runner(target, drafter, method, params, temperature, args.max_new_tokens,
+                                                      stops, args.device)))
+            for g, group in enumerate(groups):
+                if not lookup:
+                    ar_runner.step(g, group)
+                for _, runner in runners:
+                    runner.step(g, group)
+            ar = ar_runner.result()
+            results = [ar]
+            if args.hf:
+                hf_done = run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device)
+                results.append(hf_done)
+            for label, runner in runners:
+                r = runner.result()
+                r["drafter"] = label or args.drafter
+                if label:
+                    r["method"] = f"{r['method']}@{label}"
+                results.append(r)
             for r in results:
                 r["set"], r["prompts"] = set_name, len(prompts)
                 r["speedup"] = ar["ms_per_token"] / r["ms_per_token"] if r["ms_per_token"] else 0.0
