@@ -192,33 +192,48 @@ _STDLIB_MODULES = (
 )
 
 
-def _stdlib_code() -> list[Prompt]:
-    """Code prompts in HumanEval's format, made from the Python standard library: for each public
-    pure-Python function with a 60-700 character docstring, its signature and docstring with the
-    body left to write (the same request as :data:`HUMANEVAL_TEMPLATE`)."""
+def _stdlib_members(kind):
+    """``(module name, member name, member)`` for the public functions (``kind="function"``) or
+    classes (``kind="class"``) defined in each module of :data:`_STDLIB_MODULES` present here."""
     import importlib
     import inspect
-    out = []
+    test = inspect.isfunction if kind == "function" else inspect.isclass
     for name in _STDLIB_MODULES:
         try:
             mod = importlib.import_module(name)
         except Exception:  # noqa: BLE001 -- a module this platform lacks
             continue
-        for fname, fn in sorted(vars(mod).items()):
-            if fname.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
-                continue
-            doc = inspect.getdoc(fn)
-            if not doc or not 60 <= len(doc) <= 700:
-                continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())
-            code = f'def {fname}{sig}:\n    """\n{body}\n    """\n'
+        for member, obj in sorted(vars(mod).items()):
+            if not member.startswith("_") and test(obj) and obj.__module__ == mod.__name__:
+                yield name, member, obj
+
+
+def _stub(name: str, fn, indent: str) -> str | None:
+    """``def name(sig):`` + the docstring, body left to write, at ``indent``; ``None`` unless the
+    docstring is 60-700 characters and the signature can be read."""
+    import inspect
+    doc = inspect.getdoc(fn)
+    if not doc or not 60 <= len(doc) <= 700:
+        return None
+    try:
+        sig = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return None
+    inner = indent + "    "
+    body = "\n".join((inner + line) if line else "" for line in doc.splitlines())
+    return f'{indent}def {name}{sig}:\n{inner}"""\n{body}\n{inner}"""\n'
+
+
+def _stdlib_code() -> list[Prompt]:
+    """Code prompts in HumanEval's format, made from the Python standard library: for each public
+    pure-Python function with a 60-700 character docstring, its signature and docstring with the
+    body left to write (the same request as :data:`HUMANEVAL_TEMPLATE`)."""
+    out = []
+    for name, fname, fn in _stdlib_members("function"):
+        code = _stub(fname, fn, "")
+        if code is not None:
             out.append(Prompt(f"stdlib-{name}.{fname}", HUMANEVAL_TEMPLATE.format(prompt=code), "stdlib-code"))
     return out
-
 
 _NAMES = ("Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam", "Mei",
           "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara")
@@ -228,29 +243,14 @@ _ITEMS = ("apples", "pencils", "stickers", "cookies", "marbles", "books", "cupca
 def _stdlib_methods() -> list[Prompt]:
     """As :func:`_stdlib_code`, for the public methods (60-700 character docstrings) of the public
     classes of the same modules."""
-    import importlib
     import inspect
     out = []
-    for name in _STDLIB_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 -- a module this platform lacks
-            continue
-        for cname, cls in sorted(vars(mod).items()):
-            if cname.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
-                continue
-            for mname, fn in sorted(vars(cls).items()):
-                doc = inspect.getdoc(fn) if inspect.isfunction(fn) and not mname.startswith("_") else None
-                if not doc or not 60 <= len(doc) <= 700:
-                    continue
-                try:
-                    sig = str(inspect.signature(fn))
-                except (TypeError, ValueError):
-                    continue
-                body = "\n".join(("        " + line) if line else "" for line in doc.splitlines())
-                code = f'class {cname}:\n    def {mname}{sig}:\n        """\n{body}\n        """\n'
-                out.append(Prompt(f"stdlib-{name}.{cname}.{mname}", HUMANEVAL_TEMPLATE.format(prompt=code),
-                                  "stdlib-methods"))
+    for name, cname, cls in _stdlib_members("class"):
+        for mname, fn in sorted(vars(cls).items()):
+            stub = _stub(mname, fn, "    ") if inspect.isfunction(fn) and not mname.startswith("_") else None
+            if stub is not None:
+                out.append(Prompt(f"stdlib-{name}.{cname}.{mname}",
+                                  HUMANEVAL_TEMPLATE.format(prompt=f"class {cname}:\n{stub}"), "stdlib-methods"))
     return out
 
 
