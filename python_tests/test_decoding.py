@@ -252,3 +252,99 @@ def test_per_depth_widths_decode_losslessly():
     with pytest.raises(ValueError, match="widths must be >= 1"):
         SpeculativeDecoder(target, drafter, "dartree", width=(4, 0))
     assert SpeculativeDecoder(target, drafter, "dartree", width=np.int64(6)).width == 6  # any integer type
+
+
+# the verification head at inference: early exit and the "vh" estimator ---------------------------
+
+def _with_vh_bias(drafter, prob: float):
+    """``drafter`` with its verification head predicting ``prob`` at every position."""
+    import copy
+    d = copy.deepcopy(drafter)
+    with torch.no_grad():
+        d.verification_head.proj.weight.zero_()
+        d.verification_head.proj.bias.fill_(math.log(prob / (1 - prob)))
+    return d
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_early_exit_lossless(setup, method):
+    """Early exit at the head's predicted first rejection keeps every method exact (the random
+    heads' probabilities straddle the thresholds, so the cut lands at varied depths)."""
+    target, drafter, prompts, refs = setup
+    oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    check_greedy(SpeculativeDecoder(target, oracle, method, budget=16, width=4, K=8, early_exit=0.45), prompts, refs)
+    out = check_greedy(SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=8, early_exit=0.5),
+                       prompts, refs)
+    if method in ("chain", "chain_corrected"):
+        assert len(set(out.stats.tree_nodes)) > 1, "the cut should vary from round to round"
+
+
+def test_early_exit_cuts_where_the_head_says(setup):
+    """A head at 0.7 everywhere keeps the whole chain at p = 0.6 and none of it at p = 0.8 (every
+    round a plain step, output still exact)."""
+    target, drafter, prompts, refs = setup
+    sure = _with_vh_bias(drafter, 0.7)
+    full = check_greedy(SpeculativeDecoder(target, sure, "chain", early_exit=0.6), prompts, refs)
+    depth = drafter.config.block_size - 1
+    assert set(full.stats.tree_nodes) == {depth}
+    none = check_greedy(SpeculativeDecoder(target, sure, "chain", early_exit=0.8), prompts, refs)
+    assert set(none.stats.tree_nodes) == {0} and none.stats.tau == 1.0
+
+
+def test_early_exit_cuts_each_chain_row_on_its_own(setup):
+    """Chains are cut per row, at each row's first position below the threshold."""
+    from dartree_ext.decoding.decoder import _leading_at_least
+    prob = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.4], [0.6, 0.3, 0.9, 0.9, 0.9], [0.1, 0.9, 0.9, 0.9, 0.9]])
+    assert _leading_at_least(prob, 0.5).tolist() == [4, 1, 0]
+    target, drafter, prompts, refs = setup
+
+    dec = SpeculativeDecoder(target, _with_vh_bias(drafter, 0.7), "chain", early_exit=0.6)
+    from dartree_ext.models.drafter import DraftOutput
+    from dartree_ext.decoding.decoder import _Batch, _Run
+    rows, depth = 3, 5
+    draft = DraftOutput(hidden=torch.zeros(rows, depth, 4), base_logits=torch.randn(rows, depth, 97),
+                        accept_prob=torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.4], [0.7, 0.3, 0.9, 0.9, 0.9],
+                                                  [0.9, 0.9, 0.9, 0.9, 0.9]]))
+    run = _Run(dec, [torch.tensor([1])] * rows, 8, set(), {})
+    state = _Batch(active=torch.arange(rows), pad=torch.zeros(rows, dtype=torch.int64),
+                   length=torch.zeros(rows, dtype=torch.int64), root=torch.tensor([1, 2, 3]), cache=None)
+    tree, chosen = dec._tree(run, state, draft)
+    assert tree.num_nodes.tolist() == [1 + 4, 1 + 1, 1 + 5] and chosen is None
+    assert (tree.depths[1, 2:] == -1).all() and tree.depths[2].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_vh_estimator_expected_accepted_by_hand(setup):
+    """E[n] with the head's probabilities on a hand-built tree: root, two depth-1 nodes (path
+    log-probs -0.1, -1.0), one depth-2 child of the first (-0.3)."""
+    from dartree_ext.tree import Tree
+    target, drafter, _, _ = setup
+    from dartree_ext.decoding.cost import CostModel
+    dec = SpeculativeDecoder(target, drafter, "ddtree", budget="auto", cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
+    tree = Tree(tokens=torch.tensor([[5, 6, 7, 8]]), parents=torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32),
+                depths=torch.tensor([[0, 1, 1, 2]], dtype=torch.int32), scores=torch.tensor([[0.0, -0.1, -1.0, -0.3]]),
+                num_nodes=torch.tensor([4], dtype=torch.int32))
+    prob = torch.tensor([[0.8, 0.5]])
+    e = dec.expected_accepted(tree, prob)
+    p1, p2, p3 = 0.8, 0.5, 0.8 * math.exp(-0.9)   # best-first: -0.1, -0.3 (depth 2), -1.0
+    assert torch.allclose(e, torch.tensor([0.0, p1, p1 + p2, p1 + p2 + p3]), atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["chain", "dartree"])
+def test_vh_estimator_lossless(setup, method):
+    target, drafter, prompts, refs = setup
+    from dartree_ext.decoding.cost import CostModel
+    cost = CostModel.from_curve({0: 10.0, 64: 12.0})
+    oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    out = check_greedy(SpeculativeDecoder(target, oracle, method, budget="auto", width=4, K=8, max_budget=24,
+                                          cost_model=cost, estimator="vh"), prompts, refs)
+    assert out.stats.rounds > 0
+
+
+def test_vh_bad_input(setup):
+    target, drafter, _, _ = setup
+    with pytest.raises(ValueError, match="early_exit"):
+        SpeculativeDecoder(target, drafter, "chain", early_exit=1.5)
+    with pytest.raises(ValueError, match="early_exit"):
+        SpeculativeDecoder(target, drafter, "chain", early_exit=0.0)
+    with pytest.raises(ValueError, match="estimator"):
+        SpeculativeDecoder(target, drafter, "chain", budget="auto", estimator="oracle")

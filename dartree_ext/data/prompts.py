@@ -254,6 +254,15 @@ def _stdlib_methods() -> list[Prompt]:
     return out
 
 
+def _magpie() -> list[Prompt]:
+    """The self-generated requests shipped in ``dartree_ext/data/magpie_*.jsonl`` (file order)."""
+    import glob
+    out = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "magpie_*.jsonl"))):
+        out += [Prompt(r["id"], r["text"], r.get("source", "magpie")) for r in _jsonl(path)]
+    return out
+
+
 def _math_word_problems(n: int = 300, seed: int = 0, prefix: str = "mathwp") -> list[Prompt]:
     """Arithmetic word problems from fixed templates with seeded random names and numbers (the
     kind of multi-step reasoning GSM8K asks for; none of its text)."""
@@ -308,6 +317,9 @@ TRAINING_SOURCES = {
     # the third part (after the second)
     "stdlib-methods": "the public methods of the standard library's public classes, in HumanEval's request format",
     "math-word-problems-2": "1200 more word problems from the same templates, another seed",
+    # the fourth part (after the third)
+    "magpie": "requests SmolLM2-135M-Instruct wrote itself when given its chat template up to a user turn "
+              "(Magpie; dartree_ext/data/magpie_*.jsonl, made by bench/magpie_prompts.py)",
 }
 
 
@@ -361,11 +373,12 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
     The order is deterministic and interleaves the sources (round robin), so the first ``n`` are
     a mix of kinds: first the five original sources (603 prompts with ``max_chars=1200``), then
     the code and math prompts added later (``stdlib-code``, ``math-word-problems``: 1306 in all),
-    then a third part (``stdlib-methods``, ``math-word-problems-2``), so the numbering of the
-    earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
+    then a third part (``stdlib-methods``, ``math-word-problems-2``: 2751 in all), then the
+    self-generated ``magpie`` requests, so the numbering of the earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
     parts = [[_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()],
              [_stdlib_code(), _math_word_problems()],
-             [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")]]
+             [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")],
+             [_magpie()]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()

@@ -389,7 +389,7 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     if drafter is not None:
         ctx = contexts[-1] if contexts[-1] > 0 else 64
         hidden_size = drafter.config.hidden_size
-        wdtype = drafter.context_proj.weight.dtype
+        wdtype = drafter.dtype
         context = torch.randn(1, ctx, hidden_size, generator=gen).to(device=device, dtype=wdtype)
         cpos = torch.arange(ctx, device=device)[None]
         cmask = torch.ones(1, ctx, dtype=torch.bool, device=device)

@@ -25,6 +25,7 @@ import torch
 from .. import ops
 from .._widths import canonical_width
 from ..models import BlockDrafter
+from ..models.drafter import DraftOutput
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, depth_widths, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
@@ -38,6 +39,7 @@ MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RECENT_ROUNDS = 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
+ESTIMATORS = ("score", "vh")  # budget="auto": node acceptance from calibrated scores / the verification head
 
 
 @dataclasses.dataclass
@@ -138,6 +140,129 @@ def _text_config(target):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``visible``, the dtype's minimum elsewhere (HF's additive attention mask)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per row of ``prob [B, D]``, how many leading positions have ``prob >= threshold``."""
+    return (prob >= threshold).int().cumprod(1).sum(1)
+
+
+@dataclasses.dataclass
+class _Verdict:
+    """What verifying one round's trees decided, per row."""
+
+    accept_nodes: torch.Tensor  # int32[B, N]: the accepted path's node indices (root first, -1 after)
+    accept_len: torch.Tensor    # int32[B]: accepted draft tokens
+    bonus: torch.Tensor         # int64[B]: the target's token after the path (the next root)
+    target_tokens: torch.Tensor  # int64[B, N]: the target's token after every node
+    hidden_states: tuple | None  # the target's hidden states over the tree (for the drafter's context)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The unfinished requests of one ``generate`` call, a row each, and their cache.
+
+    Slot ``j`` of row ``b`` holds a committed token for ``pad[b] <= j < length[b]``; ``root[b]``
+    (the last committed token) is not in the cache yet."""
+
+    active: torch.Tensor     # int64[R]: the request of each row
+    pad: torch.Tensor        # int64[R]: left padding
+    length: torch.Tensor     # int64[R]: cache slots in use (pad included)
+    root: torch.Tensor       # int64[R]
+    cache: object            # the target's KV cache (transformers Cache)
+    context: torch.Tensor | None = None  # [R, S, H]: the drafter's context, slot by slot
+    # the current round's view of the cache (begin_round) and its results
+    cache_len: int = 0
+    past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
+    position: torch.Tensor | None = None    # int64[R]: the root's position
+    path: torch.Tensor | None = None        # int64[R, W]: the committed path's tokens
+    full_tree: Tree | None = None           # budget="auto": the tree before it was cut
+
+    @property
+    def rows(self) -> int:
+        return int(self.active.numel())
+
+    def begin_round(self, cache_slots: int) -> None:
+        self.cache_len = max(int(self.length.max()), cache_slots)
+        slot = torch.arange(self.cache_len, device=self.length.device)
+        self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
+        self.position = self.length - self.pad
+        self.full_tree = None
+
+    def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int) -> None:
+        """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``."""
+        rows, width = in_path.shape
+        grow = new_length - self.context.shape[1]
+        if grow > 0:
+            self.context = torch.cat([self.context, self.context.new_zeros(rows, grow, self.context.shape[2])], 1)
+        dst = (self.length[:, None] + torch.arange(width, device=new.device)[None]).clamp(max=self.context.shape[1] - 1)
+        rows_idx = torch.arange(rows, device=new.device)[:, None].expand(-1, width)
+        self.context[rows_idx[in_path], dst[in_path]] = new[in_path]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only the rows ``idx`` (int64), in the cache too."""
+        self.active, self.pad, self.length, self.root = self.active[idx], self.pad[idx], self.length[idx], self.root[idx]
+        if self.context is not None:
+            self.context = self.context[idx]
+        if idx.numel():
+            select_requests_(self.cache, idx)
+
+
+class _Run:
+    """One ``generate`` call's settings, output tokens, stats and phase clock."""
+
+    def __init__(self, decoder: "SpeculativeDecoder", prompts: list[torch.Tensor], max_new_tokens: int,
+                 stop: set[int], sampling: dict) -> None:
+        target = decoder.target
+        self.device = prompts[0].device
+        self.dtype = next(target.parameters()).dtype
+        self.drafting = decoder.drafter is not None and decoder.method != "ar"
+        self.pad_id = decoder._pad_token_id()
+        self.max_new_tokens, self.stop, self.sampling = max_new_tokens, stop, sampling
+        self.max_pos = int(getattr(_text_config(target), "max_position_embeddings", 0) or 0) or None
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.stats = DecodingStats(decoder.method, [RequestStats(int(p.numel())) for p in prompts],
+                                   {p: 0.0 for p in PHASES})
+        self._sync = decoder.sync_timing and self.device.type == "cuda"
+        self._clock = time.perf_counter()
+
+    def tick(self, phase: str) -> float:
+        """Charge the time since the last tick to ``phase``."""
+        if self._sync:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stats.time[phase] += now - self._clock
+        self._clock = now
+        return now
+
+    def emit(self, req: int, tokens: list[int]) -> str:
+        """Append ``tokens`` to request ``req`` up to where it ends; why it ended ("" if not)."""
+        rs, out = self.stats.requests[req], self.generated[req]
+        done = ""
+        for tok in tokens:
+            out.append(tok)
+            if tok in self.stop:
+                done = "stop"
+            elif len(out) >= self.max_new_tokens:
+                done = "length"
+            elif self.max_pos is not None and rs.prompt_tokens + len(out) >= self.max_pos:
+                done = "context"
+            if done:
+                break
+        rs.new_tokens = len(out)
+        return done
+
+    def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
+        width = max(len(g) for g in self.generated)
+        tail = torch.full((len(self.generated), width), self.pad_id, dtype=torch.int64, device=self.device)
+        for b, g in enumerate(self.generated):
+            tail[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
+        return torch.cat([input_ids.to(self.device), tail], 1)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``drafter`` by ``method`` (see :data:`METHODS`).
 
@@ -156,12 +281,25 @@ class SpeculativeDecoder:
     :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
     plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
     most 16) before it is tried again.
+
+    The drafter's verification head (VAT), which predicts per drafted position the probability
+    that it and every position before it are accepted, is used two ways:
+
+    * ``early_exit=p`` drafts only up to the predicted first rejection: the positions before the
+      first one predicted below ``p`` (the VAT paper uses 0.6 for a block drafter). Chains are cut
+      per row; a tree's depth is cut at the deepest row's cut. A round where no row keeps a
+      position is a plain step.
+    * ``estimator="vh"`` (with ``budget="auto"``) takes node acceptance probabilities from the
+      head instead of the calibrated tree scores: a node at depth d gets ``P_vh(d)`` times its path
+      probability relative to the best node at that depth. ``estimator="score"`` (the default)
+      is the calibrated score.
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
                  budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
-                 calibrator: AcceptanceCalibrator | None = None) -> None:
+                 calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
+                 estimator: str = "score") -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
         self.auto = isinstance(budget, str)
@@ -183,10 +321,16 @@ class SpeculativeDecoder:
             raise ValueError(f"K must be >= 1, got K={K}")
         depth_widths(width, 1)  # raises on a width < 1
         width = canonical_width(width)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+        if early_exit is not None and not 0.0 < early_exit < 1.0:
+            raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
         if method != "ar":
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
             drafter.attach(target)  # raises on a target mismatch
+        self.early_exit, self.estimator = early_exit, estimator
+        self._vh_used = method != "ar" and (early_exit is not None or (self.auto and estimator == "vh"))
         self.target, self.drafter, self.method = target, drafter, method
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
@@ -199,7 +343,7 @@ class SpeculativeDecoder:
         self._recent_depths: list[int] = []
         self._head = None
         if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
-            self._head = drafter.export_head(dtype=drafter.context_proj.weight.dtype)
+            self._head = drafter.export_head(dtype=drafter.dtype)
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -261,20 +405,35 @@ class SpeculativeDecoder:
                     scores=torch.zeros(batch, 1, device=device),
                     num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
 
-    def expected_accepted(self, tree: Tree) -> torch.Tensor:
+    def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
         """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
-        the rows, for ``n = 0 .. N - 1`` (calibrated node probabilities, best-first)."""
+        the rows, for ``n = 0 .. N - 1`` (best-first by score, the order :func:`prune` keeps).
+        A node's probability is its calibrated score, or with ``accept_prob [B, D]`` (the
+        verification head's) ``accept_prob[depth - 1]`` times its path probability relative to
+        the best node of its depth."""
         scores = tree.scores[:, 1:].float()
         valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
-        scores = torch.where(valid, scores, float("-inf")).cpu()
-        order = scores.sort(1, descending=True).values
-        p = torch.where(order > float("-inf"), self.calibrator.predict(order), 0.0)
-        return torch.cat([torch.zeros(1), p.cumsum(1).sum(0)])
+        scores = torch.where(valid, scores, float("-inf"))
+        if accept_prob is None:
+            scores = scores.cpu()
+            p = torch.where(scores > float("-inf"), self.calibrator.predict(scores), 0.0)
+        else:
+            depth = tree.depths[:, 1:].long().clamp(min=0)
+            best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
+            best = best.scatter_reduce(1, depth, scores, "amax")
+            rel = torch.where(valid, (scores - best.gather(1, depth)).exp(), 0.0)
+            at_depth = torch.cat([torch.ones_like(accept_prob[:, :1]), accept_prob.float()], 1)
+            p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
+            p = torch.where(valid, p, 0.0).cpu()
+            scores = scores.cpu()
+        order = scores.argsort(dim=1, descending=True, stable=True)
+        return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
 
-    def choose_tree(self, tree: Tree, context: int) -> tuple[Tree, int]:
+    def choose_tree(self, tree: Tree, context: int, accept_prob: torch.Tensor | None = None) -> tuple[Tree, int]:
         """``budget="auto"``: the tree cut to its best ``n`` nodes (``n`` chosen by the cost
-        model; the root alone for ``n = 0``) and ``n``."""
-        expected = self.expected_accepted(tree)
+        model; the root alone for ``n = 0``) and ``n``. ``accept_prob``: as in
+        :meth:`expected_accepted`."""
+        expected = self.expected_accepted(tree, accept_prob)
         batch = tree.tokens.shape[0]
         overhead = self.cost_model.overhead_ms
         if overhead is None:
@@ -320,13 +479,6 @@ class SpeculativeDecoder:
                 decoder_kwargs=dict(width=self.width, K=self.K, depth_bonus=self.depth_bonus))
 
     # generation -----------------------------------------------------------------------------
-    def _tick(self, times: dict[str, float], phase: str, start: float) -> float:
-        if self.sync_timing and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        now = time.perf_counter()
-        times[phase] += now - start
-        return now
-
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -339,16 +491,43 @@ class SpeculativeDecoder:
         warpers) using ``generator``. Returns ``sequences`` = ``input_ids`` followed by the
         generated tokens (right-padded with the pad token), as HF ``generate`` does, and stats.
         """
-        target, drafter = self.target, self.drafter
+        prompts = self._check_inputs(input_ids, attention_mask, max_new_tokens, temperature)
+        self._ensure_cost_model()
+        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
+        self._skip = self._backoff = 0
+        self._recent_depths = []
+        run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
+                   dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator))
+        state = self._prefill(run, prompts)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts) * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
+        while state.rows:
+            state.begin_round(self._cache_length(state.cache))
+            draft = self._draft(run, state)
+            tree, chosen = self._tree(run, state, draft)
+            verdict = self._verify(run, state, tree)
+            start = time.perf_counter()
+            self._commit(run, state, tree, verdict, chosen, draft)
+            self._retire(run, state, tree, verdict, chosen)
+            if bar is not None:
+                bar.update(int(verdict.accept_len.sum()) + verdict.accept_len.numel())
+            spent = 1e3 * (run.tick("bookkeeping") - start)
+            self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
+        if bar is not None:
+            bar.close()
+        return GenerationOutput(sequences=run.sequences(input_ids), stats=run.stats)
+
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, temperature) -> list[torch.Tensor]:
+        """The prompts' token ids (one tensor each, on the target's device), or a ValueError."""
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f"input_ids must be int64[B, L], got {input_ids.dtype}{list(input_ids.shape)}")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        text = _text_config(target)
-        device = next(target.parameters()).device
-        self._device = device
+        device = next(self.target.parameters()).device
         input_ids = input_ids.to(device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -358,6 +537,7 @@ class SpeculativeDecoder:
         prompts = [input_ids[b][attention_mask[b]] for b in range(input_ids.shape[0])]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        text = _text_config(self.target)
         max_pos = int(getattr(text, "max_position_embeddings", 0) or 0) or None
         longest = max(p.numel() for p in prompts)
         if max_pos is not None and longest >= max_pos:
@@ -365,174 +545,148 @@ class SpeculativeDecoder:
         vocab = int(text.vocab_size)
         if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        stop = set(int(t) for t in (stop_token_ids or ()))
-        pad_id = self._pad_token_id()
-        self._ensure_cost_model()
-        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
-        self._skip = self._backoff = 0
-        self._recent_depths = []
+        return prompts
 
-        times = {p: 0.0 for p in PHASES}
-        stats = DecodingStats(self.method, [RequestStats(int(p.numel())) for p in prompts], times)
-        generated: list[list[int]] = [[] for _ in prompts]
-        t = time.perf_counter()
-
-        # prefill: every prompt but its last token (the first root), left-padded
-        batch = len(prompts)
+    def _prefill(self, run: _Run, prompts: list[torch.Tensor]) -> _Batch:
+        """Every prompt but its last token (the first root) into a new cache, left-padded; the
+        drafter's context from the prompts' target features."""
+        device, batch = run.device, len(prompts)
         prefix = max(p.numel() for p in prompts) - 1
         pad = torch.tensor([prefix - (p.numel() - 1) for p in prompts], dtype=torch.int64, device=device)
-        length = torch.full((batch,), prefix, dtype=torch.int64, device=device)
-        root = torch.stack([p[-1] for p in prompts])
-        cache = self._new_cache()
-        need_ctx = drafter is not None and self.method != "ar"
-        dtype = next(target.parameters()).dtype
-        context = None
+        state = _Batch(active=torch.arange(batch, device=device), pad=pad,
+                       length=torch.full((batch,), prefix, dtype=torch.int64, device=device),
+                       root=torch.stack([p[-1] for p in prompts]), cache=self._new_cache())
         if prefix > 0:
-            ids = torch.full((batch, prefix), pad_id, dtype=torch.int64, device=device)
+            ids = torch.full((batch, prefix), run.pad_id, dtype=torch.int64, device=device)
             for b, p in enumerate(prompts):
                 ids[b, int(pad[b]):] = p[:-1]
             slot = torch.arange(prefix, device=device)
             visible = (slot[None, :, None] >= slot[None, None, :]) & (slot[None, None, :] >= pad[:, None, None])
             visible |= torch.eye(prefix, dtype=torch.bool, device=device)  # pad rows see themselves: no NaN
-            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
-            out = target(input_ids=ids, attention_mask=mask[:, None], position_ids=(slot - pad[:, None]).clamp(min=0),
-                         use_cache=True, output_hidden_states=need_ctx, logits_to_keep=1, **{self._cache_kw: cache})
-            if need_ctx:
-                context = drafter.project_context(drafter.target_features(out.hidden_states))
-        t = self._tick(times, "prefill", t)
+            mask = _additive_mask(visible, run.dtype)
+            out = self.target(input_ids=ids, attention_mask=mask[:, None], position_ids=(slot - pad[:, None]).clamp(min=0),
+                              use_cache=True, output_hidden_states=run.drafting, logits_to_keep=1,
+                              **{self._cache_kw: state.cache})
+            if run.drafting:
+                state.context = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
+        run.tick("prefill")
+        return state
 
-        active = torch.arange(batch, device=device)  # original request index of each row
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=batch * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
-        while active.numel():
-            rows = active.numel()
-            cache_len = int(length.max()) if rows else 0
-            cache_len = max(cache_len, self._cache_length(cache))
-            slot = torch.arange(cache_len, device=device)
-            past_valid = (slot[None] >= pad[:, None]) & (slot[None] < length[:, None])
-            position = length - pad  # the root's position
+    def _draft(self, run: _Run, state: _Batch) -> DraftOutput | None:
+        """The drafter pass from every row's root (``None`` without a drafter, or while a plain
+        step's back-off skips it); with the verification head in use, its acceptance
+        probabilities too."""
+        draft = None
+        if run.drafting and self._skip == 0:
+            if state.context is None:
+                state.context = self.drafter.empty_context(state.rows)
+            slot = torch.arange(state.cache_len, device=run.device)
+            draft = self.drafter(state.root, state.position, state.context[:, :state.cache_len],
+                                 (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid)
+            if self._vh_used and draft.hidden.shape[1]:
+                draft.accept_prob = torch.sigmoid(self.drafter.verification_head(draft.hidden).float())
+        elif self._skip:
+            self._skip -= 1
+        run.tick("draft")
+        return draft
 
-            hidden = base_logits = vocab = None
-            drafting = need_ctx and self._skip == 0
-            if self._skip:
-                self._skip -= 1
-            if drafting:
-                if context is None:
-                    context = torch.zeros(rows, 0, drafter.config.hidden_size, dtype=drafter.context_proj.weight.dtype,
-                                          device=device)
-                draft = drafter(root, position, context[:, :cache_len], (slot[None] - pad[:, None]).clamp(min=0),
-                                past_valid)
-                hidden, base_logits, vocab = draft.hidden, draft.base_logits, draft.vocab
-            t = self._tick(times, "draft", t)
-
-            if need_ctx and not drafting:
-                tree, chosen = self.plain_tree(root), 0
+    def _tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
+        """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step)."""
+        if run.drafting and draft is None:
+            run.tick("tree")
+            return self.plain_tree(state.root), 0
+        hidden = base_logits = vocab = prob = cut = None
+        if draft is not None:
+            hidden, base_logits, vocab, prob = draft.hidden, draft.base_logits, draft.vocab, draft.accept_prob
+            keep = hidden.shape[1]
+            if self.early_exit is not None:  # up to the predicted first rejection
+                cut = _leading_at_least(prob, self.early_exit)
+                keep = min(keep, int(cut.max()))
+            if self.auto:  # no deeper than recent chosen trees + 2
+                keep = min(keep, self._draft_depth(hidden.shape[1]))
+            if keep == 0:
+                run.tick("tree")
+                return self.plain_tree(state.root), (0 if self.auto else None)
+            hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
+            prob = None if prob is None else prob[:, :keep]
+        tree = self.build_tree(hidden, base_logits, state.root, vocab)
+        if cut is not None and self.method in ("chain", "chain_corrected"):  # chains: each row its own cut
+            num = torch.minimum(tree.num_nodes, (cut + 1).to(tree.num_nodes.dtype))
+            live = torch.arange(tree.tokens.shape[1], device=num.device)[None] < num[:, None]
+            tree = dataclasses.replace(tree, num_nodes=num, depths=torch.where(live, tree.depths, -1))
+        chosen = None
+        if self.auto:
+            state.full_tree = tree
+            tree, chosen = self.choose_tree(tree, state.cache_len, prob if self.estimator == "vh" else None)
+            if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
+                self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
+                self._skip = self._backoff
             else:
-                if self.auto and hidden is not None:  # no deeper than recent chosen trees + 2
-                    keep = self._draft_depth(hidden.shape[1])
-                    hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
-                tree = self.build_tree(hidden, base_logits, root, vocab)
-                chosen = None
-                if self.auto:
-                    full = tree
-                    tree, chosen = self.choose_tree(tree, cache_len)
-                    if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
-                        self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
-                        self._skip = self._backoff
-                    else:
-                        self._backoff = 0
-                    if chosen:
-                        self._recent_depths = (self._recent_depths + [int(tree.depths.max())])[-RECENT_ROUNDS:]
-            t = self._tick(times, "tree", t)
+                self._backoff = 0
+                self._recent_depths = (self._recent_depths + [int(tree.depths.max())])[-RECENT_ROUNDS:]
+        run.tick("tree")
+        return tree, chosen
 
-            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past_valid, dtype)
-            positions = position[:, None] + tree.depths.clamp(min=0).long()
-            out = target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         output_hidden_states=need_ctx, **{self._cache_kw: cache})
-            target_tokens = target_tokens_from_logits(out.logits, temperature, top_k, top_p, generator)
-            accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
-            t = self._tick(times, "verify", t)
-            round_start_bookkeeping = t
+    def _verify(self, run: _Run, state: _Batch, tree: Tree) -> _Verdict:
+        """One target forward over root + tree (tree-attention mask); the target's token at every
+        node; the longest accepted path and the bonus token of every row."""
+        mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, state.past_valid, run.dtype)
+        positions = state.position[:, None] + tree.depths.clamp(min=0).long()
+        out = self.target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                          output_hidden_states=run.drafting, **{self._cache_kw: state.cache})
+        target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
+        accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+        run.tick("verify")
+        return _Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
 
-            # commit: accepted path (root + accepted nodes) enters the cache, bonus is the next root
-            lengths = (accept_len + 1).to(torch.int32)
-            width = int(lengths.max())
-            nodes = accept_nodes[:, :width].long()
-            in_path = torch.arange(width, device=device)[None] < lengths[:, None]
-            nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
-            compact_cache_(cache, (cache_len + nodes).contiguous(), length.contiguous(), lengths,
-                           new_length=int((length + lengths).max()))
-            if need_ctx:
-                feats = drafter.target_features(out.hidden_states)  # only the chosen layers, then the path
-                feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-                new_ctx = drafter.project_context(feats)
-                grow = int((length + lengths).max()) - context.shape[1]
-                if grow > 0:
-                    context = torch.cat([context, context.new_zeros(rows, grow, context.shape[2])], 1)
-                dst = (length[:, None] + torch.arange(width, device=device)[None]).clamp(max=context.shape[1] - 1)
-                rows_idx = torch.arange(rows, device=device)[:, None].expand(-1, width)
-                context[rows_idx[in_path], dst[in_path]] = new_ctx[in_path]
-            path_tokens = tree.tokens.gather(1, nodes)
-            if self.auto and chosen:
-                self._calibrate(tree, accept_nodes)
-            elif self.auto and chosen == 0 and drafting:
-                self._calibrate_unverified(full, target_tokens[:, 0])
-            length = length + lengths
-            root = bonus
+    def _commit(self, run: _Run, state: _Batch, tree: Tree, verdict: _Verdict, chosen: int | None,
+                draft: DraftOutput | None) -> None:
+        """The accepted path (root + accepted nodes) enters the cache and the drafter's context;
+        the bonus token becomes the next root; the calibrator learns from the verified nodes."""
+        device = run.device
+        lengths = (verdict.accept_len + 1).to(torch.int32)
+        width = int(lengths.max())
+        nodes = verdict.accept_nodes[:, :width].long()
+        in_path = torch.arange(width, device=device)[None] < lengths[:, None]
+        nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
+        new_length = int((state.length + lengths).max())
+        compact_cache_(state.cache, (state.cache_len + nodes).contiguous(), state.length.contiguous(), lengths,
+                       new_length=new_length)
+        if run.drafting:
+            feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
+            feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+            state.append_context(self.drafter.project_context(feats), in_path, new_length)
+        state.path = tree.tokens.gather(1, nodes)
+        if self.auto and chosen:
+            self._calibrate(tree, verdict.accept_nodes)
+        elif self.auto and chosen == 0 and state.full_tree is not None:
+            self._calibrate_unverified(state.full_tree, verdict.target_tokens[:, 0])
+        state.length = state.length + lengths
+        state.root = verdict.bonus
 
-            accepted_list, bonus_list = accept_len.tolist(), bonus.tolist()
-            path_list = path_tokens.tolist()
-            tree_sizes = (tree.num_nodes - 1).tolist()
-            depth_counts = None
-            if self.method != "ar":
-                depth_counts = torch.bincount(tree.depths[tree.depths > 0].long()).tolist()
-                stats.nodes_per_depth.update({d: c for d, c in enumerate(depth_counts) if d > 0})
-            if need_ctx and chosen == 0:
-                stats.plain_rounds += rows
-            keep = []
-            for row, req in enumerate(active.tolist()):
-                rs = stats.requests[req]
-                a = accepted_list[row]
-                rs.accepted.append(a)
-                stats.tree_nodes.append(tree_sizes[row])
-                done = ""
-                for tok in path_list[row][1:a + 1] + [bonus_list[row]]:
-                    generated[req].append(tok)
-                    if tok in stop:
-                        done = "stop"
-                    elif len(generated[req]) >= max_new_tokens:
-                        done = "length"
-                    elif max_pos is not None and rs.prompt_tokens + len(generated[req]) >= max_pos:
-                        done = "context"
-                    if done:
-                        break
-                rs.new_tokens = len(generated[req])
-                if done:
-                    rs.finish_reason = done
-                else:
-                    keep.append(row)
-            if bar is not None:
-                bar.update(sum(1 + a for a in accepted_list))
-            if len(keep) < rows:
-                idx = torch.tensor(keep, dtype=torch.int64, device=device)
-                active, pad, length, root = active[idx], pad[idx], length[idx], root[idx]
-                if context is not None:
-                    context = context[idx]
-                if keep:
-                    select_requests_(cache, idx)
-            t = self._tick(times, "bookkeeping", t)
-            spent = 1e3 * (t - round_start_bookkeeping)
-            self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
-        if bar is not None:
-            bar.close()
-
-        width = max(len(g) for g in generated)
-        tail = torch.full((batch, width), pad_id, dtype=torch.int64, device=device)
-        for b, g in enumerate(generated):
-            tail[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
-        return GenerationOutput(sequences=torch.cat([input_ids, tail], 1), stats=stats)
+    def _retire(self, run: _Run, state: _Batch, tree: Tree, verdict: _Verdict, chosen: int | None) -> None:
+        """Record the round's tokens and stats per request; drop the rows that are done (stop
+        token, ``max_new_tokens``, or the target's context)."""
+        stats = run.stats
+        accepted, bonus, paths = verdict.accept_len.tolist(), verdict.bonus.tolist(), state.path.tolist()
+        sizes = (tree.num_nodes - 1).tolist()
+        if self.method != "ar":
+            depth_counts = torch.bincount(tree.depths[tree.depths > 0].long()).tolist()
+            stats.nodes_per_depth.update({d: c for d, c in enumerate(depth_counts) if d > 0})
+        if run.drafting and chosen == 0:
+            stats.plain_rounds += state.rows
+        keep = []
+        for row, req in enumerate(state.active.tolist()):
+            rs, a = stats.requests[req], accepted[row]
+            rs.accepted.append(a)
+            stats.tree_nodes.append(sizes[row])
+            done = run.emit(req, paths[row][1:a + 1] + [bonus[row]])
+            if done:
+                rs.finish_reason = done
+            else:
+                keep.append(row)
+        if len(keep) < state.rows:
+            state.keep(torch.tensor(keep, dtype=torch.int64, device=run.device))
 
     # helpers --------------------------------------------------------------------------------
     def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:

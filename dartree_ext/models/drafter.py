@@ -224,6 +224,9 @@ class DraftOutput:
     hidden: torch.Tensor       # [B, D - 1, H]: drafter hidden states of the drafted positions
     base_logits: torch.Tensor  # [B, D - 1, V], or [B, D - 1, V'] over the draft vocabulary
     vocab: torch.Tensor | None = None  # int64[V']: target id of each draft-vocabulary entry (None: all V)
+    # float32[B, D - 1]: P(this position and all before it are accepted), from the verification
+    # head; filled in by the decoder when it uses the head (early exit, estimator="vh")
+    accept_prob: torch.Tensor | None = None
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Indices into ``base_logits``' last dim -> target token ids."""
@@ -403,6 +406,15 @@ class BlockDrafter(nn.Module):
             raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
         return self._target_modules[1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's own weights (its context and hidden states)."""
+        return self.context_proj.weight.dtype
+
+    def empty_context(self, rows: int) -> torch.Tensor:
+        """A context of no positions, ``[rows, 0, H]`` (a prompt of one token has no prefix)."""
+        return torch.zeros(rows, 0, self.config.hidden_size, dtype=self.dtype, device=self.context_proj.weight.device)
+
     # forward -------------------------------------------------------------------------------
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The concatenated target hidden states the context is made of: ``[B, T, H * n]``."""
@@ -420,7 +432,7 @@ class BlockDrafter(nn.Module):
         int64[B or 1, S]``, visible where ``context_mask bool[B or 1, S]``."""
         cfg = self.config
         batch = root_tokens.shape[0]
-        dtype = self.context_proj.weight.dtype
+        dtype = self.dtype
         root = self.embedding(root_tokens).to(dtype)
         masks = self.mask_embedding.to(dtype).expand(batch, cfg.block_size - 1, -1)
         if cfg.root_in_masks:  # each drafted position sees the root directly, not only through attention
