@@ -51,6 +51,12 @@ class Params:
     width: int | tuple[int, ...] = 12   # W, or per-depth widths (the last repeats)
     K: int = 64
     depth_bonus: float = -0.2
+    early_exit: float | None = None     # the verification head's threshold p (None: no early exit)
+    estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
+
+
+def float_or_none(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else float(text)
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -76,7 +82,8 @@ class Runner:
     def __init__(self, target, drafter, method: str, params: Params, temperature: float, max_new_tokens: int,
                  stops: list[int], device: str, seed: int = 0) -> None:
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
-                                      depth_bonus=params.depth_bonus)
+                                      depth_bonus=params.depth_bonus, early_exit=params.early_exit,
+                                      estimator=params.estimator)
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
         self.seconds = self.tokens = self.rounds = self.accepted = 0
@@ -259,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats), e.g. 32,12")
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--depth-bonus", type=float, default=-0.2)
-    parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget or depth_bonus (per-depth "
-                        "widths in a sweep: width=12,32/12)")
+    parser.add_argument("--early-exit", type=float_or_none, default=None,
+                        help="the verification head's early-exit threshold p (default: none)")
+    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
+                        help="budget auto: node acceptance from calibrated scores or the verification head")
+    parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget, depth_bonus, early_exit "
+                        "(none = off) or estimator (per-depth widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf", action="store_true", help="also time HF generate on the same prompts (row "
@@ -286,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
                              load_drafter(path, target, draft_vocab=False)))
     lookup = args.drafter == "lookup"
     temps = [float(t) for t in args.temperatures.split(",")]
-    base_params = Params(args.budget, args.width, args.K, args.depth_bonus)
+    base_params = Params(args.budget, args.width, args.K, args.depth_bonus, args.early_exit, args.estimator)
     variants = [base_params]
     if args.sweep:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
         kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else \
-            budget_arg if name == "budget" else type(getattr(base_params, name))
+            budget_arg if name == "budget" else float_or_none if name == "early_exit" else \
+            type(getattr(base_params, name))
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "

@@ -134,6 +134,10 @@ def generate_main(argv: list[str] | None = None) -> int:
                         "(the last repeats)")
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--depth-bonus", type=float, default=-0.2)
+    parser.add_argument("--early-exit", type=float, default=None, metavar="P",
+                        help="draft only up to the verification head's predicted first rejection (threshold P)")
+    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
+                        help="budget auto: node acceptance from calibrated tree scores or the verification head")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--compare-ar", action="store_true", help="also decode with 'ar' and print the speedup")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype)")
@@ -172,9 +176,13 @@ def generate_main(argv: list[str] | None = None) -> int:
     width = ids.shape[1]
     stops = stop_tokens(tok, target)
 
+    def decoder(method):
+        return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
+                                  K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
+                                  estimator=args.estimator)
+
     def run(method):
-        dec = SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
-                                 K=args.K, depth_bonus=args.depth_bonus)
+        dec = decoder(method)
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
         start = time.perf_counter()
         out = dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -182,9 +190,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         return out, time.perf_counter() - start
 
     if args.method != "ar":  # one-time costs (the cost model, first calls) stay out of the timed run
-        dec = SpeculativeDecoder(target, drafter, args.method, budget=budget, width=args.width, K=args.K,
-                                 depth_bonus=args.depth_bonus)
-        dec.generate(ids, mask, max_new_tokens=2, stop_token_ids=stops)
+        decoder(args.method).generate(ids, mask, max_new_tokens=2, stop_token_ids=stops)
     out, seconds = run(args.method)
     for b, text in enumerate(texts):
         new = out.sequences[b, width:width + out.stats.requests[b].new_tokens].tolist()
