@@ -21,7 +21,8 @@ import torch
 
 import dartree_ext
 from dartree_ext import reference
-from dartree_ext.tree import GRUCorrectionHead, prune, seq_heap, supertree_as_tree
+from dartree_ext.head import CorrectionHeadWeights
+from dartree_ext.tree import prune, seq_heap, supertree_as_tree
 from dartree_ext import ops
 
 HEADS = {
@@ -52,7 +53,7 @@ def timed(fns, device, min_seconds=1.0, max_reps=200, min_reps=3) -> list[float]
 
 def round_inputs(spec, batch, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    head = GRUCorrectionHead.random(spec["vocab"], spec["hidden"], spec["e"], spec["g"], dtype=spec["dtype"],
+    head = CorrectionHeadWeights.random(spec["vocab"], spec["hidden"], spec["e"], spec["g"], dtype=spec["dtype"],
                                     device=device, seed=seed)
     hidden = torch.randn(batch, DEPTH, spec["hidden"], generator=gen).to(device)
     z = head.project(hidden).contiguous()

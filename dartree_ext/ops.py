@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._widths import width_list
+from ._widths import depth_widths
 
 MAX_TREE_NODES = 8192
 MAX_HEAP_BUDGET = 2048
@@ -253,7 +253,7 @@ def expand_depth(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch
                  parent_states: torch.Tensor, parent_scores: torch.Tensor, num_parents: torch.Tensor, width: int,
                  depth_bonus: float = -0.2) -> tuple[torch.Tensor, ...]:
     """One depth of DARTree's expansion with a GRU correction head
-    (:class:`dartree_ext.tree.GRUCorrectionHead`).
+    (:class:`dartree_ext.head.CorrectionHeadWeights`).
 
     For each of the ``num_parents[b]`` parents (``parent_states float32[B, P, G]``,
     ``parent_scores float32[B, P]``): corrected logits of the K candidates
@@ -286,7 +286,7 @@ def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: to
     padding: depth -1, parent -1, score -inf, token 0.
     """
     return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head),
-                                        width_list(width, z.shape[1]),
+                                        depth_widths(width, z.shape[1], exact=True),
                                         depth_bonus)
 
 

@@ -7,7 +7,8 @@ import heapq
 import numpy as np
 import torch
 
-from ._widths import width_list
+from ._widths import depth_widths
+from .head import corrected_logprobs, gru_update  # the expand ops' reference builds on them (and re-exports them)
 
 
 def _valid_nodes(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
@@ -231,31 +232,6 @@ def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: to
 
 # expand area -----------------------------------------------------------------------------------
 
-def corrected_logprobs(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
-                       states: torch.Tensor) -> torch.Tensor:
-    """log q(k | parent) over the K candidates, float32[B, P, K], for parent states [B, P, G],
-    z [B, E], candidates [B, K]."""
-    hidden = torch.nn.functional.silu(z.float()[:, None, :] + states @ head.w_s.float().T)  # [B, P, E]
-    rows = head.fc2_weight[cand_ids].float()  # [B, K, E]: only the K candidate rows
-    logits = cand_base.float()[:, None, :] + hidden @ rows.transpose(1, 2)
-    if head.fc2_bias is not None:
-        logits = logits + head.fc2_bias[cand_ids].float()[:, None, :]
-    return torch.log_softmax(logits, dim=-1)
-
-
-def gru_update(head, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """torch.nn.GRUCell on precomputed input gates gi = gru_table[tokens]; float32."""
-    gi = head.gru_table[tokens].float()
-    gh = states @ head.w_hh.float().T
-    if head.b_hh is not None:
-        gh = gh + head.b_hh.float()
-    g = states.shape[-1]
-    r = torch.sigmoid(gi[..., :g] + gh[..., :g])
-    u = torch.sigmoid(gi[..., g:2 * g] + gh[..., g:2 * g])
-    n = torch.tanh(gi[..., 2 * g:] + r * gh[..., 2 * g:])
-    return (1 - u) * n + u * states
-
-
 def expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
                  depth_bonus=-0.2):
     batch, p_max, _ = parent_states.shape
@@ -274,7 +250,7 @@ def expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num
 def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2):
     """Algorithm 1's supertree, one depth at a time with :func:`expand_depth`."""
     batch, depth, _ = z.shape
-    widths = width_list(width, depth)
+    widths = depth_widths(width, depth, exact=True)
     states = root_state.float()[:, None, :]
     scores_prev = torch.zeros(batch, 1)
     num_parents = torch.ones(batch, dtype=torch.int32, device=z.device)

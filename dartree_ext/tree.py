@@ -7,6 +7,9 @@ heap baseline it approximates.
   depth and no pruning.
 * :func:`seq_heap`: node-wise best-first search with corrected scores, one head call per popped
   node -- the exact search DARTree approximates (the paper's "Sequential Correction w. Heap").
+
+The head they read is :class:`dartree_ext.head.CorrectionHeadWeights`; ``depth_widths`` and
+``parse_width`` (how a width is read) live in ``dartree_ext._widths`` and are importable from here.
 """
 from __future__ import annotations
 
@@ -16,61 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import ops, reference
-from ._widths import width_list
-
-
-@dataclasses.dataclass
-class GRUCorrectionHead:
-    """The Domino-style GRU causal-correction head, in the layout the expand ops read.
-
-    corrected logits at position d for a branch with state s:
-    ``L_d + fc2(SiLU(W_z H_d + b1 + w_s s))``; the state after a token t is
-    ``GRUCell(E[t], s)``, whose input gates ``E[t] W_ih^T + b_ih`` are precomputed for the whole
-    vocabulary in ``gru_table`` (so the kernels never multiply by W_ih).
-    """
-
-    w_z: torch.Tensor         # [E, H]: drafter hidden -> head
-    b1: torch.Tensor | None   # [E]
-    w_s: torch.Tensor         # [E, G]: state -> head
-    fc2_weight: torch.Tensor  # [V, E]
-    fc2_bias: torch.Tensor | None  # [V]
-    gru_table: torch.Tensor   # [V, 3G]
-    w_hh: torch.Tensor        # [3G, G]
-    b_hh: torch.Tensor | None  # [3G]
-
-    @classmethod
-    def from_modules(cls, embedding: torch.nn.Embedding, gru: torch.nn.GRUCell, w_z: torch.nn.Linear,
-                     w_s: torch.nn.Linear, fc2: torch.nn.Linear) -> "GRUCorrectionHead":
-        """Gather the tensors from modules: ``w_z: H -> E`` (its bias is b1), ``w_s: G -> E`` (no
-        bias), ``fc2: E -> V``, ``gru: GRUCell(embedding_dim, G)``."""
-        with torch.no_grad():
-            table = embedding.weight @ gru.weight_ih.T
-            if gru.bias_ih is not None:
-                table = table + gru.bias_ih
-            return cls(w_z=w_z.weight.detach(), b1=None if w_z.bias is None else w_z.bias.detach(),
-                       w_s=w_s.weight.detach(), fc2_weight=fc2.weight.detach(),
-                       fc2_bias=None if fc2.bias is None else fc2.bias.detach(), gru_table=table.detach(),
-                       w_hh=gru.weight_hh.detach(), b_hh=None if gru.bias_hh is None else gru.bias_hh.detach())
-
-    @classmethod
-    def random(cls, vocab: int, hidden: int, e: int, g: int, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", seed: int = 0, bias: bool = True) -> "GRUCorrectionHead":
-        """A randomly initialised head (tests and benchmarks)."""
-        gen = torch.Generator().manual_seed(seed)
-
-        def rand(*shape, scale):
-            return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-        return cls(w_z=rand(e, hidden, scale=hidden ** -0.5), b1=rand(e, scale=0.1) if bias else None,
-                   w_s=rand(e, g, scale=g ** -0.5), fc2_weight=rand(vocab, e, scale=e ** -0.5),
-                   fc2_bias=rand(vocab, scale=0.1) if bias else None, gru_table=rand(vocab, 3 * g, scale=0.5),
-                   w_hh=rand(3 * g, g, scale=g ** -0.5), b_hh=rand(3 * g, scale=0.1) if bias else None)
-
-    def project(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
-        """z = W_z H + b1 for drafter hidden states [..., H] -> [..., E], in the head's dtype."""
-        z = drafter_hidden.to(self.w_z.dtype) @ self.w_z.T
-        return z if self.b1 is None else z + self.b1
+from . import ops
+from ._widths import depth_widths, parse_width  # noqa: F401  (parse_width: re-exported for the command lines)
+from .head import CorrectionHeadWeights, corrected_logprobs, gru_update
 
 
 @dataclasses.dataclass
@@ -123,27 +74,7 @@ def prune(tree: Tree, budget: int) -> Tree:
                 scores=torch.where(present, torch.gather(tree.scores, 1, index), float("-inf")), num_nodes=num_kept)
 
 
-def depth_widths(width: int | Sequence[int], depth: int) -> list[int]:
-    """Children kept per depth: an int W for every depth, or per-depth widths ``(w1, w2, ...)``
-    whose last value repeats down to ``depth`` (``(32, 12)`` = 32 at depth 1, 12 below); a list
-    longer than ``depth`` is cut. Every width must be >= 1."""
-    widths = width_list(width, 1)
-    if not widths or min(widths) < 1:
-        raise ValueError(f"widths must be >= 1 (an int or a non-empty sequence), got {width!r}")
-    return (widths + [widths[-1]] * depth)[:depth]
-
-
-def parse_width(text: str) -> int | tuple[int, ...]:
-    """``"12"`` -> 12, ``"32,12"`` -> (32, 12) (the command-line form of a width)."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"a width is W or w1,w2,... (integers), got {text!r}") from None
-    depth_widths(values, 1)  # validates
-    return values[0] if len(values) == 1 else values
-
-
-def build_dartree(head: GRUCorrectionHead, drafter_hidden: torch.Tensor, base_logits: torch.Tensor,
+def build_dartree(head: CorrectionHeadWeights, drafter_hidden: torch.Tensor, base_logits: torch.Tensor,
                   root_tokens: torch.Tensor, root_state: torch.Tensor, k: int = 64,
                   width: int | Sequence[int] = 12, budget: int = 64, depth_bonus: float = -0.2,
                   fixed: bool = False, vocab: torch.Tensor | None = None) -> Tree:
@@ -171,7 +102,7 @@ def build_dartree(head: GRUCorrectionHead, drafter_hidden: torch.Tensor, base_lo
     return tree if fixed else prune(tree, budget)
 
 
-def seq_heap(head: GRUCorrectionHead, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
+def seq_heap(head: CorrectionHeadWeights, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
              root_tokens: torch.Tensor, root_state: torch.Tensor, budget: int = 64,
              depth_bonus: float = -0.2) -> Tree:
     """Node-wise best-first search with corrected scores: pop the best node, compute its state
@@ -194,7 +125,7 @@ def seq_heap(head: GRUCorrectionHead, z: torch.Tensor, cand_ids: torch.Tensor, c
             d = depths[node]
             if d >= depth:
                 return
-            logq = reference.corrected_logprobs(head, z[b:b + 1, d], cand_ids[b:b + 1, d], cand_base[b:b + 1, d],
+            logq = corrected_logprobs(head, z[b:b + 1, d], cand_ids[b:b + 1, d], cand_base[b:b + 1, d],
                                                 states[node][None, None, :])[0, 0]
             child_scores = (scores[node] + logq + depth_bonus).tolist()
             for c in range(k):
@@ -210,7 +141,7 @@ def seq_heap(head: GRUCorrectionHead, z: torch.Tensor, cand_ids: torch.Tensor, c
             parents.append(parent)
             depths.append(d + 1)
             scores.append(-neg_score)
-            states.append(reference.gru_update(head, torch.tensor([token], device=z.device), states[parent][None])[0])
+            states.append(gru_update(head, torch.tensor([token], device=z.device), states[parent][None])[0])
             push_children(len(tokens) - 1)
         n = len(tokens)
         out.tokens[b, :n] = torch.tensor(tokens)

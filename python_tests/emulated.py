@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from dartree_ext._widths import width_list
+from dartree_ext._widths import depth_widths
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -244,7 +244,7 @@ class EmulatedOps:
         w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
                                                             head.w_hh, head.b_hh)
         batch, depth, k = cand_ids.shape
-        widths = width_list(width, depth)
+        widths = depth_widths(width, depth, exact=True)
         g = w_s.shape[1]
         total, max_width = sum(widths), max(widths)
         head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)

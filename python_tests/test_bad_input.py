@@ -215,8 +215,8 @@ def test_max_heap_budget_matches_build():
 # expand ops ------------------------------------------------------------------------------------
 
 def _expand_args(device, dtype=torch.float32):
-    from dartree_ext.tree import GRUCorrectionHead
-    head = GRUCorrectionHead.random(30, 12, 8, 6, device=device, dtype=dtype)
+    from dartree_ext.head import CorrectionHeadWeights
+    head = CorrectionHeadWeights.random(30, 12, 8, 6, device=device, dtype=dtype)
     z = torch.randn(2, 3, 8, device=device, dtype=dtype)
     ids = torch.randint(0, 30, (2, 3, 5), device=device)
     base = torch.randn(2, 3, 5, device=device, dtype=dtype)

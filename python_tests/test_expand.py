@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dartree_ext import reference
-from dartree_ext.tree import GRUCorrectionHead, build_dartree, candidates, seq_heap, supertree_as_tree, prune
+from dartree_ext.head import CorrectionHeadWeights
+from dartree_ext.tree import build_dartree, candidates, seq_heap, supertree_as_tree, prune
 
 VOCAB, HIDDEN, E, G = 40, 24, 16, 8
 # accumulation is float32 on every backend, from the same (exactly converted) inputs: only the
@@ -19,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def make_inputs(batch, depth, k, dtype, seed, bias=True):
     gen = torch.Generator().manual_seed(seed)
-    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, dtype=dtype, seed=seed, bias=bias)
+    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, E, G, dtype=dtype, seed=seed, bias=bias)
     z = (torch.randn(batch, depth, E, generator=gen)).to(dtype)
     # distinct candidate ids per position, as top-K gives
     cand_ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(batch * depth)]).view(batch, depth, k)
@@ -29,8 +30,8 @@ def make_inputs(batch, depth, k, dtype, seed, bias=True):
 
 
 def head_on(head, device):
-    return GRUCorrectionHead(**{f.name: None if getattr(head, f.name) is None else getattr(head, f.name).to(device)
-                                for f in head.__dataclass_fields__.values()})
+    return CorrectionHeadWeights(**{f.name: None if getattr(head, f.name) is None else getattr(head, f.name).to(device)
+                                    for f in head.__dataclass_fields__.values()})
 
 
 def assert_expansion_close(actual, expected):
@@ -145,7 +146,7 @@ def test_full_supertree_pruned_equals_seq_heap():
 @pytest.mark.parametrize("fixed", [False, True])
 def test_build_dartree_layout(fixed):
     batch, depth, budget = 2, 4, 8
-    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, seed=1)
+    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, E, G, seed=1)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, depth, HIDDEN, generator=gen)
     logits = torch.randn(batch, depth, VOCAB, generator=gen)
@@ -168,7 +169,7 @@ def test_build_dartree_per_depth_widths():
     built with the expanded width list, pruned; an int is every depth's width."""
     from dartree_ext.tree import depth_widths, parse_width
     batch, depth, budget, k = 2, 4, 9, 6
-    head = GRUCorrectionHead.random(VOCAB, HIDDEN, E, G, seed=2)
+    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, E, G, seed=2)
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(batch, depth, HIDDEN, generator=gen)
     logits = torch.randn(batch, depth, VOCAB, generator=gen)
@@ -227,7 +228,7 @@ def test_head_state_size_limit(g, ok):
     """G is checked against what the CUDA update kernel's shared memory holds without opting in
     (4 G floats + 33 candidates <= 48 KiB): G = 3041 is refused on every backend with a clear error."""
     from dartree_ext import ops
-    head = GRUCorrectionHead.random(VOCAB, HIDDEN, 4, g, seed=0, bias=False)
+    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, 4, g, seed=0, bias=False)
     z, ids = torch.zeros(1, 1, 4), torch.arange(3)[None, None]
     args = (head, z, ids, torch.zeros(1, 1, 3), torch.zeros(1, g), [2], -0.2)
     if ok:

@@ -30,8 +30,8 @@ def _sample_args(name: str, device: str):
                 torch.tensor([[10, 12, 13], [5, 6, 0], [0, 0, 0]], device=device),
                 torch.tensor([9, 4, 0], device=device), torch.tensor([3, 2, 0], dtype=torch.int32, device=device))
     if name in ("expand_depth", "build_supertree"):
-        from dartree_ext.tree import GRUCorrectionHead
-        head = GRUCorrectionHead.random(30, 12, 8, 6, device=device)
+        from dartree_ext.head import CorrectionHeadWeights
+        head = CorrectionHeadWeights.random(30, 12, 8, 6, device=device)
         weights = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table, head.w_hh, head.b_hh)
         ids = torch.stack([torch.randperm(30)[:5] for _ in range(3 * 4)]).view(3, 4, 5).to(device)
         base = torch.randn(3, 4, 5, device=device)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import GRUCorrectionHead
+from ..head import CorrectionHeadWeights
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,12 @@ class CorrectionHead(nn.Module):
         s = torch.stack(states, 1)
         return base_logits + self.fc2(F.silu(self.w_z(drafter_hidden) + self.w_s(s)))
 
-    def export(self, embedding: nn.Embedding, dtype: torch.dtype | None = None) -> GRUCorrectionHead:
+    def export(self, embedding: nn.Embedding, dtype: torch.dtype | None = None) -> CorrectionHeadWeights:
         """The tensors the tree ops read (the GRU input gates precomputed for the vocabulary)."""
-        head = GRUCorrectionHead.from_modules(embedding, self.gru, self.w_z, self.w_s, self.fc2)
+        head = CorrectionHeadWeights.from_modules(embedding, self.gru, self.w_z, self.w_s, self.fc2)
         if dtype is not None:
-            head = GRUCorrectionHead(**{f.name: None if getattr(head, f.name) is None else
-                                        getattr(head, f.name).to(dtype) for f in dataclasses.fields(head)})
+            head = CorrectionHeadWeights(**{f.name: None if getattr(head, f.name) is None else
+                                            getattr(head, f.name).to(dtype) for f in dataclasses.fields(head)})
         return head
 
 
@@ -453,7 +453,7 @@ class BlockDrafter(nn.Module):
         logits = self.lm_head(hidden.to(head_w.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits)
 
-    def export_head(self, dtype: torch.dtype | None = None) -> GRUCorrectionHead:
+    def export_head(self, dtype: torch.dtype | None = None) -> CorrectionHeadWeights:
         return self.correction_head.export(self.embedding, dtype)
 
     # persistence ---------------------------------------------------------------------------
