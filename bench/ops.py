@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 import dartree_ext
 from dartree_ext import ops, reference
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
-from trees import random_batch  # noqa: E402
+from dartree_ext.testing import random_batch
 
 
 @dataclass

@@ -7,8 +7,8 @@ import torch
 
 import dartree_ext
 from dartree_ext import ops
+from dartree_ext.testing import HAND_NUM_NODES, HAND_PARENTS, HAND_TOKENS
 from conftest import cuda_available
-from trees import HAND_NUM_NODES, HAND_PARENTS, HAND_TOKENS
 
 DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
 TREE_OPS = {

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import cuda_available
-from trees import random_batch
+from dartree_ext.testing import random_batch
 
 DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
 

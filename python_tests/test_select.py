@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dartree_ext import ops, reference
+from dartree_ext.testing import random_batch
 from test_tree_ops import assert_same
-from trees import random_batch
 
 
 def tie_heavy(shape, gen, levels=4):

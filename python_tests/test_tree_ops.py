@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dartree_ext import reference
-from trees import HAND_NUM_NODES, HAND_PARENTS, HAND_TOKENS, random_batch
+from dartree_ext.testing import HAND_NUM_NODES, HAND_PARENTS, HAND_TOKENS, random_batch
 
 SIZES = [1, 2, 63, 64, 65, 130, 193]
 KINDS = ["random", "chain", "star", "bushy"]

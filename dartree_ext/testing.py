@@ -1,7 +1,17 @@
-"""Random and hand-built trees in the shared layout, for tests and benchmarks."""
+"""Random and hand-built trees in the shared layout, for tests and benchmarks.
+
+The layout is the one every op reads (:mod:`dartree_ext.ops`): ``parents int32[B, N]`` with
+node 0 the root, parents before children, and ``num_nodes int32[B]``; padding parents are -1.
+
+* :func:`random_tree` / :func:`random_batch`: seeded random trees of a few shapes;
+* ``HAND_PARENTS``, ``HAND_NUM_NODES``, ``HAND_TOKENS``: one small tree whose op outputs are
+  checked by hand in the tests.
+"""
 from __future__ import annotations
 
 import torch
+
+__all__ = ["HAND_NUM_NODES", "HAND_PARENTS", "HAND_TOKENS", "random_batch", "random_tree"]
 
 
 def random_tree(num_nodes: int, n_max: int, generator: torch.Generator, kind: str = "random") -> torch.Tensor:
