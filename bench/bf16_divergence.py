@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.decoding import SpeculativeDecoder, left_pad  # noqa: E402
-from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens  # noqa: E402
+from dartree_ext.decoding import SpeculativeDecoder, left_pad
+from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

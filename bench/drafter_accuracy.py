@@ -21,17 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
-from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402
+from dartree_ext.decoding import SpeculativeDecoder
+from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -22,20 +22,14 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from collections import Counter
 
 import torch
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad  # noqa: E402
-from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens  # noqa: E402
-from dartree_ext.models import LookupDrafter  # noqa: E402
-from dartree_ext.tree import parse_width  # noqa: E402
+from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
+from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
+from dartree_ext.models import LookupDrafter
+from dartree_ext.tree import parse_width
 
 DEFAULT_PROMPTS = [
     "Write a function that returns the n-th Fibonacci number.",

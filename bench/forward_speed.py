@@ -6,18 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.loading import load_target  # noqa: E402
+from dartree_ext.loading import load_target
 
 
 def timed(model, ids) -> float:

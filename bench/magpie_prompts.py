@@ -23,14 +23,9 @@ import time
 
 import torch
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.data.prompts import _norm  # noqa: E402
-from dartree_ext.data.smollm2 import load_smollm2, stop_token_ids  # noqa: E402
-from dartree_ext.decoding import SpeculativeDecoder, left_pad  # noqa: E402
+from dartree_ext.data.prompts import _norm
+from dartree_ext.data.smollm2 import load_smollm2, stop_token_ids
+from dartree_ext.decoding import SpeculativeDecoder, left_pad
 
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:

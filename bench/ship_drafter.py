@@ -9,16 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from safetensors.torch import load_file, save_file
 
-try:  # the installed package; else the source tree (with an in-place build)
-    import dartree_ext  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dartree_ext.models import frequent_tokens  # noqa: E402
+from dartree_ext.models import frequent_tokens
 
 SPECIAL = (0, 1, 2)  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: always draftable
 

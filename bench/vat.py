@@ -24,11 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dartree_ext (in-place build)
 
 CASES = ("vat_loss", "reference", "vat_loss_linear", "reference_linear")
 
