@@ -176,3 +176,27 @@ def test_init_from_target_reproduces_the_last_layer(layers):
 def test_init_from_target_rejects_other_layer_kinds(kind):
     with pytest.raises(ValueError, match="llama-style"):
         tiny_drafter(tiny_target(kind), init_from_target=True)
+
+
+def test_lookup_drafter_follows_the_base_dtype():
+    """A LookupDrafter over a bfloat16 drafter is a bfloat16 drafter: its head exports (the
+    target's bfloat16 embedding meets the drafter's own GRU weights) and it drafts a tree."""
+    from dartree_ext.models import LookupDrafter
+    from dartree_ext.tree import build_dartree
+    target = tiny_target().to(torch.bfloat16)
+    base = tiny_drafter(target).to(torch.bfloat16)
+    oracle = LookupDrafter(base, [torch.arange(20)], miss=0.0)
+    assert oracle.dtype == torch.bfloat16 and {p.dtype for p in oracle.parameters()} == {torch.bfloat16}
+    for (name, mine), theirs in zip(oracle.state_dict().items(), base.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    head = oracle.export_head()
+    assert {t.dtype for t in (head.w_z, head.w_s, head.fc2_weight, head.gru_table, head.w_hh)} == {torch.bfloat16}
+    root = torch.tensor([3])
+    with torch.no_grad():
+        out = oracle(root, root, oracle.empty_context(1), torch.zeros(1, 0, dtype=torch.long),
+                     torch.zeros(1, 0, dtype=torch.bool))
+        assert out.hidden.dtype == out.base_logits.dtype == torch.bfloat16
+        assert out.base_logits[0].argmax(-1).tolist() == [4, 5, 6, 7, 8]  # what follows 3 in the sequence
+        tree = build_dartree(head, out.hidden, out.base_logits, root, torch.zeros(1, 16, dtype=torch.bfloat16), k=4,
+                             width=2, budget=6)
+    assert int(tree.num_nodes[0]) == 7

@@ -1,4 +1,7 @@
-"""A drafter that knows the answers, for tests and benchmarks of the decoding machinery.
+"""A drafter that knows the answers: a testing and benchmarking tool, not a model to decode with.
+
+It lives in the package so that the tests and the benchmarks (``bench/e2e.py --drafter lookup``)
+share it; nothing in the library's decoding or training path uses it.
 
 :class:`LookupDrafter` looks up the root (token, position) in given reference sequences (e.g.
 the target's own greedy output) and puts its logit mass on what follows; with probability
@@ -14,12 +17,14 @@ from .drafter import BlockDrafter, DraftOutput
 
 
 class LookupDrafter(BlockDrafter):
-    """See the module docstring. ``base`` gives the weights (hidden states still come from it)."""
+    """See the module docstring. ``base`` gives the weights (hidden states still come from it),
+    their device and their dtype."""
 
     def __init__(self, base: BlockDrafter, sequences: list[torch.Tensor], miss: float = 0.3, seed: int = 0) -> None:
         super().__init__(base.config)
+        weight = next(base.parameters())
+        self.to(device=weight.device, dtype=weight.dtype)
         self.load_state_dict(base.state_dict())
-        self.to(next(base.parameters()).device)
         self._target_modules = base._target_modules
         self.sequences = [s.tolist() for s in sequences]
         self.miss, self.gen = miss, torch.Generator().manual_seed(seed)
