@@ -14,14 +14,17 @@ except ImportError as e:  # pragma: no cover - depends on how the package was in
         "(`python setup.py build_ext --inplace` or `pip install --no-build-isolation -e .`); after "
         "`pip install .`, run Python from outside the source tree.") from e
 from ._C import build_info
-from .ops import (ddtree_heap, select_top_b, select_top_w, tree_ancestor_bits, tree_attention_mask, tree_links,
-                  verify_tree)
+from .ops import (build_supertree, compact_kv_, ddtree_heap, expand_depth, select_top_b, select_top_w,
+                  tree_ancestor_bits, tree_attention_mask, tree_links, verify_tree)
 from .sampling import target_tokens_from_logits
 from .vat import VATLossOutput, vat_loss, vat_loss_linear
 
 __all__ = [
     "build_info",
+    "build_supertree",
+    "compact_kv_",
     "ddtree_heap",
+    "expand_depth",
     "select_top_b",
     "select_top_w",
     "target_tokens_from_logits",

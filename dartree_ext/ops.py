@@ -18,6 +18,10 @@ import torch
 
 from ._widths import depth_widths
 
+__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "ddtree_heap",
+           "expand_depth", "select_top_b", "select_top_w", "tree_ancestor_bits", "tree_attention_mask", "tree_links",
+           "verify_tree"]
+
 MAX_TREE_NODES = 8192
 MAX_HEAP_BUDGET = 2048
 
