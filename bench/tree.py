@@ -80,7 +80,7 @@ def pytorch_reference(head, z, cand_ids, cand_base, root_state, roots):
 
 def workspace_bytes(batch, spec) -> int:
     m = DEPTH * WIDTH
-    return (batch * WIDTH * K * 4 + 2 * batch * WIDTH * spec["g"] * 4  # candidate scores, states
+    return (batch * WIDTH * (K + spec["e"] + spec["g"]) * 4 + 2 * batch * WIDTH * spec["g"] * 4  # workspace, states
             + batch * m * (8 + 4 + 4 + 4))  # supertree outputs
 
 

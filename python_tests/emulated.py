@@ -233,7 +233,7 @@ class EmulatedOps:
         tokens = torch.empty(batch, width, dtype=torch.int64)
         states = torch.empty(batch, width, g, dtype=torch.float32)
         num_children = torch.empty(batch, dtype=torch.int32)
-        cand_scores = torch.empty(batch, p_max, k, dtype=torch.float32)
+        cand_scores = torch.empty(batch * (p_max * k + p_max * w_s.shape[0] + width * g), dtype=torch.float32)
         outputs = ExpandOutputs(parent_idx.data_ptr(), child_k.data_ptr(), scores.data_ptr(), tokens.data_ptr(), None,
                                 width, 0, 0, states.data_ptr(), num_children.data_ptr())
         self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), _ptr(cand_scores),
@@ -253,7 +253,7 @@ class EmulatedOps:
         states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
         counts = [torch.ones(batch, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)]
         root_scores = torch.zeros(batch)
-        cand_scores = torch.empty(batch, max_width, k)
+        cand_scores = torch.empty(batch * max_width * (k + w_s.shape[0] + g))  # expand_workspace_floats
         tokens = torch.empty(batch, total, dtype=torch.int64)
         parents = torch.empty(batch, total, dtype=torch.int32)
         depths = torch.empty(batch, total, dtype=torch.int32)
@@ -308,7 +308,7 @@ class ExpandOutputs(ctypes.Structure):
 
 class SupertreeArgs(ctypes.Structure):
     _fields_ = [("z", _P), ("cand_ids", _P), ("cand_base", _P), ("widths", ctypes.POINTER(ctypes.c_int64)),
-                ("batch", _I), ("depth", _I), ("k", _I), ("depth_bonus", ctypes.c_float), ("cand_scores", _P),
+                ("batch", _I), ("depth", _I), ("k", _I), ("depth_bonus", ctypes.c_float), ("workspace", _P),
                 ("states", _P * 2), ("root_scores", _P), ("counts", _P * 2), ("tokens", _P), ("parents", _P),
                 ("depths", _P), ("scores", _P)]
 

@@ -45,7 +45,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
   at::Tensor scores = at::empty({batch, width}, parent_scores.options());
   at::Tensor tokens = at::empty({batch, width}, cand_ids.options());
   at::Tensor states = at::empty({batch, width, g}, parent_states.options());
-  at::Tensor cand_scores = at::empty({batch, p_max, k}, parent_scores.options());  // workspace
+  const int64_t e = w_s.size(0);
+  at::Tensor workspace = at::empty({kernels::expand_workspace_floats(batch, p_max, k, width, e, g)},
+                                   parent_scores.options());
   at::Tensor num_children = at::empty({batch}, num_parents.options());               // workspace
   const kernels::ExpandInputs in{z.data_ptr(),
                                  z.size(1),
@@ -65,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
                                    tokens.data_ptr<int64_t>(),     nullptr,                     width,
                                    0,                              0,                           states.data_ptr<float>(),
                                    num_children.data_ptr<int32_t>()};
-  kernels::launch_expand_depth(device_head(weights), in, cand_scores.data_ptr<float>(), out,
+  kernels::launch_expand_depth(device_head(weights), in, workspace.data_ptr<float>(), out,
                                at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {parent_idx, child_k, scores, tokens, states};
@@ -87,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cuda(
   for (int64_t w : widths) max_width = std::max(max_width, w);
   const auto f32 = z.options().dtype(at::kFloat), i32 = z.options().dtype(at::kInt);
   // workspaces, sized from the shapes
-  at::Tensor cand_scores = at::empty({batch, max_width, k}, f32);
+  at::Tensor workspace =
+      at::empty({kernels::expand_workspace_floats(batch, max_width, k, max_width, w_s.size(0), g)}, f32);
   at::Tensor states[2] = {at::empty({batch, max_width, g}, f32), at::empty({batch, max_width, g}, f32)};
   at::Tensor counts[2] = {at::ones({batch}, i32), at::empty({batch}, i32)};
   states[0].view(-1).narrow(0, 0, batch * g).view({batch, g}).copy_(root_state);  // dense [B, 1, G]
@@ -100,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cuda(
                                     static_cast<int>(depth),
                                     static_cast<int>(k),
                                     static_cast<float>(depth_bonus),
-                                    cand_scores.data_ptr<float>(),
+                                    workspace.data_ptr<float>(),
                                     {states[0].data_ptr<float>(), states[1].data_ptr<float>()},
                                     root_scores.data_ptr<float>(),
                                     {counts[0].data_ptr<int32_t>(), counts[1].data_ptr<int32_t>()},

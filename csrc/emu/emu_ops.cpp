@@ -165,8 +165,8 @@ int emu_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64
 }
 
 int emu_expand_depth(const dartree::kernels::ExpandHead* head, const dartree::kernels::ExpandInputs* in,
-                     float* cand_scores, const dartree::kernels::ExpandOutputs* out) {
-  return guarded([&] { dartree::kernels::launch_expand_depth(*head, *in, cand_scores, *out, nullptr); });
+                     float* workspace, const dartree::kernels::ExpandOutputs* out) {
+  return guarded([&] { dartree::kernels::launch_expand_depth(*head, *in, workspace, *out, nullptr); });
 }
 
 int emu_build_supertree(const dartree::kernels::ExpandHead* head, const dartree::kernels::SupertreeArgs* args) {

@@ -89,6 +89,14 @@ DARTREE_DEVICE float warp_sum(float v) {
   return v;
 }
 
+DARTREE_DEVICE float warp_max(float v) {
+  for (int offset = warpSize / 2; offset > 0; offset /= 2) {
+    const float o = __shfl_xor_sync(kFullWarpMask, v, offset);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
 // Reduce one float per thread over the block (max or sum). Needs 33 floats of scratch.
 template <bool kMax>
 DARTREE_DEVICE float block_reduce(float v, float* s_scratch) {

@@ -13,6 +13,7 @@
 
 #define DARTREE_DEVICE __device__ __forceinline__
 #define DARTREE_HOST_DEVICE __host__ __device__ __forceinline__
+#define DARTREE_UNROLL _Pragma("unroll")
 #define DARTREE_SHARED_ARRAY(T, name, count) __shared__ T name[count]
 #define DARTREE_DYNAMIC_SHARED(T, name)                              \
   extern __shared__ __align__(16) unsigned char dartree_dynamic_smem_[]; \
@@ -25,6 +26,7 @@
 
 #define DARTREE_DEVICE inline
 #define DARTREE_HOST_DEVICE inline
+#define DARTREE_UNROLL
 
 #else
 #error "csrc/kernels/*.cuh need nvcc or csrc/emu/emu_runtime.h included first"

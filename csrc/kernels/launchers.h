@@ -97,8 +97,14 @@ struct ExpandOutputs {  // rows `stride` apart; the depth's W children start at 
   int32_t* num_children;  // [B]: min(W, valid parents x K)
 };
 
-// `cand_scores` is a float workspace of B x P x K.
-void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* cand_scores, const ExpandOutputs& out,
+// Floats of the workspace one depth needs: candidate scores [B, P, K], the parents' hidden
+// vectors [B, P, E] and the children's parent states [B, W, G].
+inline int64_t expand_workspace_floats(int64_t batch, int64_t p_max, int64_t k, int64_t width, int64_t e, int64_t g) {
+  return batch * (p_max * k + p_max * e + width * g);
+}
+
+// Three launches: expand_hidden, expand_select, expand_update (not when child_states is null).
+void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
                          cudaStream_t stream);
 
 struct SupertreeArgs {
@@ -111,7 +117,7 @@ struct SupertreeArgs {
   // workspaces, initialized by the caller: states[0] starts with the root states as a contiguous
   // float32 [B, G] (each depth's states are stored densely as [B, width, G]), root_scores = 0,
   // counts[0] = 1
-  float* cand_scores;  // [B, W, K]
+  float* workspace;    // expand_workspace_floats(B, W, K, W, E, G), W = the widest depth
   float* states[2];    // [B, W, G] each
   const float* root_scores;  // [B]
   int32_t* counts[2];  // [B] each

@@ -23,11 +23,11 @@ from typing import Iterable
 import torch
 
 from .. import ops
-from .._widths import canonical_width
+from .._widths import canonical_width, depth_widths
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
 from ..sampling import target_tokens_from_logits
-from ..tree import Tree, build_dartree, candidates, depth_widths, prune, seq_heap, supertree_as_tree
+from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
 
