@@ -452,11 +452,12 @@ def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 6
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=gen).to(param.device)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(param.device)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     samples = []
     for rep in range(reps + 1):
         cache = DynamicCache(config=model.config)
-        model(input_ids=ctx, use_cache=True, past_key_values=cache, logits_to_keep=1)
-        ms = timer(lambda: model(input_ids=ids, use_cache=True, past_key_values=cache))
+        model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        ms = timer(lambda: model(input_ids=ids, use_cache=True, **{cache_kw: cache}))
         if rep:
             samples.append(ms)
     return statistics.median(samples)

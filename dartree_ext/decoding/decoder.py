@@ -159,6 +159,13 @@ class _Verdict:
     bonus: torch.Tensor         # int64[B]: the target's token after the path (the next root)
     target_tokens: torch.Tensor  # int64[B, N]: the target's token after every node
     hidden_states: tuple | None  # the target's hidden states over the tree (for the drafter's context)
+    # host copies, fetched in one transfer: accepted draft tokens, bonus token, draft nodes, the
+    # tokens along each row's accepted path (root first) and every node's depth
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    bonus_tokens: list[int] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    paths: list[list[int]] = dataclasses.field(default_factory=list)
+    depths: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -173,12 +180,12 @@ class _Batch:
     length: torch.Tensor     # int64[R]: cache slots in use (pad included)
     root: torch.Tensor       # int64[R]
     cache: object            # the target's KV cache (transformers Cache)
+    host_length: list[int] = dataclasses.field(default_factory=list)  # ``length`` on the host
     context: torch.Tensor | None = None  # [R, S, H]: the drafter's context, slot by slot
     # the current round's view of the cache (begin_round) and its results
     cache_len: int = 0
     past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
     position: torch.Tensor | None = None    # int64[R]: the root's position
-    path: torch.Tensor | None = None        # int64[R, W]: the committed path's tokens
     full_tree: Tree | None = None           # budget="auto": the tree before it was cut
 
     @property
@@ -186,7 +193,7 @@ class _Batch:
         return int(self.active.numel())
 
     def begin_round(self, cache_slots: int) -> None:
-        self.cache_len = max(int(self.length.max()), cache_slots)
+        self.cache_len = max(max(self.host_length), cache_slots)
         slot = torch.arange(self.cache_len, device=self.length.device)
         self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
         self.position = self.length - self.pad
@@ -205,6 +212,7 @@ class _Batch:
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only the rows ``idx`` (int64), in the cache too."""
         self.active, self.pad, self.length, self.root = self.active[idx], self.pad[idx], self.length[idx], self.root[idx]
+        self.host_length = [self.host_length[i] for i in idx.tolist()]
         if self.context is not None:
             self.context = self.context[idx]
         if idx.numel():
@@ -441,7 +449,7 @@ class SpeculativeDecoder:
         n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead)
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
-        if n < int(tree.num_nodes.max()) - 1:
+        if n < tree.tokens.shape[1] - 1:
             tree = prune(tree, n)
         return tree, n
 
@@ -555,7 +563,8 @@ class SpeculativeDecoder:
         pad = torch.tensor([prefix - (p.numel() - 1) for p in prompts], dtype=torch.int64, device=device)
         state = _Batch(active=torch.arange(batch, device=device), pad=pad,
                        length=torch.full((batch,), prefix, dtype=torch.int64, device=device),
-                       root=torch.stack([p[-1] for p in prompts]), cache=self._new_cache())
+                       root=torch.stack([p[-1] for p in prompts]), cache=self._new_cache(),
+                       host_length=[prefix] * batch)
         if prefix > 0:
             ids = torch.full((batch, prefix), run.pad_id, dtype=torch.int64, device=device)
             for b, p in enumerate(prompts):
@@ -636,8 +645,19 @@ class SpeculativeDecoder:
                           output_hidden_states=run.drafting, **{self._cache_kw: state.cache})
         target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
         accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+        verdict = _Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
+        # everything the host needs from this round, in one device-to-host transfer
+        rows, n = tree.tokens.shape
+        path = tree.tokens.gather(1, accept_nodes.long().clamp(min=0))
+        host = torch.cat([accept_len.long()[:, None], bonus[:, None], (tree.num_nodes - 1).long()[:, None], path,
+                          tree.depths.long()], 1).tolist()
+        verdict.accepted = [h[0] for h in host]
+        verdict.bonus_tokens = [h[1] for h in host]
+        verdict.sizes = [h[2] for h in host]
+        verdict.paths = [h[3:3 + n] for h in host]
+        verdict.depths = [h[3 + n:] for h in host]
         run.tick("verify")
-        return _Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
+        return verdict
 
     def _commit(self, run: _Run, state: _Batch, tree: Tree, verdict: _Verdict, chosen: int | None,
                 draft: DraftOutput | None) -> None:
@@ -645,18 +665,18 @@ class SpeculativeDecoder:
         the bonus token becomes the next root; the calibrator learns from the verified nodes."""
         device = run.device
         lengths = (verdict.accept_len + 1).to(torch.int32)
-        width = int(lengths.max())
+        width = max(verdict.accepted) + 1
         nodes = verdict.accept_nodes[:, :width].long()
         in_path = torch.arange(width, device=device)[None] < lengths[:, None]
         nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
-        new_length = int((state.length + lengths).max())
+        state.host_length = [n + a + 1 for n, a in zip(state.host_length, verdict.accepted)]
+        new_length = max(state.host_length)
         compact_cache_(state.cache, (state.cache_len + nodes).contiguous(), state.length.contiguous(), lengths,
                        new_length=new_length)
         if run.drafting:
             feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
             feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
             state.append_context(self.drafter.project_context(feats), in_path, new_length)
-        state.path = tree.tokens.gather(1, nodes)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None:
@@ -668,11 +688,12 @@ class SpeculativeDecoder:
         """Record the round's tokens and stats per request; drop the rows that are done (stop
         token, ``max_new_tokens``, or the target's context)."""
         stats = run.stats
-        accepted, bonus, paths = verdict.accept_len.tolist(), verdict.bonus.tolist(), state.path.tolist()
-        sizes = (tree.num_nodes - 1).tolist()
+        accepted, bonus, paths, sizes = verdict.accepted, verdict.bonus_tokens, verdict.paths, verdict.sizes
         if self.method != "ar":
-            depth_counts = torch.bincount(tree.depths[tree.depths > 0].long()).tolist()
-            stats.nodes_per_depth.update({d: c for d, c in enumerate(depth_counts) if d > 0})
+            stats.nodes_per_depth.update(d for row in verdict.depths for d in row if d > 0)
+            if self.auto and chosen:
+                deepest = max(d for row in verdict.depths for d in row)
+                self._recent_depths = (self._recent_depths + [deepest])[-RECENT_ROUNDS:]
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         keep = []
