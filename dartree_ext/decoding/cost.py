@@ -452,6 +452,7 @@ def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 6
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=gen).to(param.device)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(param.device)
+    import inspect
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     samples = []
     for rep in range(reps + 1):
