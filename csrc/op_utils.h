@@ -227,12 +227,18 @@ inline void check_expand_weights(const char* op, const ExpandWeights& w, const a
   }
 }
 
-// Shared-memory sizes of the CUDA kernels: (G + E + K + 33) floats for the scores and 4 G floats +
-// 33 candidates (264 bytes) for the update, within the 48 KiB a block gets without opting in:
-// G <= 3040 and E + G + K <= 12000.
+// Head sizes every backend takes: G <= 3040 and E + G + K <= 12000.
 inline void check_expand_sizes(const char* op, int64_t e, int64_t g, int64_t k) {
   TORCH_CHECK_VALUE(g <= 3040 && e + g + k <= 12000, op, ": head sizes too large: need G <= 3040 and E + G + K <= 12000,",
                     " got E = ", e, ", G = ", g, ", K = ", k);
+}
+
+// The CUDA selection kernel stages the K candidates' and P parents' rows and W-long top lists in
+// the 48 KiB of shared memory a block gets without opting in: (K + P) x 33 + 18 W floats.
+inline void check_expand_cuda_shared(const char* op, int64_t k, int64_t p_max, int64_t width) {
+  TORCH_CHECK_VALUE(kernels::expand_select_shared_floats(k, p_max, width) <= kernels::kExpandSharedLimitFloats, op,
+                    ": on CUDA (K + P) x 33 + 18 W must be at most 12288 (shared memory), got K = ", k, ", P = ", p_max,
+                    ", W = ", width);
 }
 
 inline void check_expand_depth_inputs(const ExpandWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
@@ -265,6 +271,7 @@ inline void check_expand_depth_inputs(const ExpandWeights& w, const at::Tensor& 
   TORCH_CHECK_VALUE(parent_states.size(1) * cand_ids.size(1) < (int64_t{1} << 31), op, ": P * K must be below 2^31");
   TORCH_CHECK_VALUE(!z.is_cuda() || (batch <= 65535 && parent_states.size(1) <= 65535 && width <= 65535), op,
                     ": CUDA kernels take at most 65535 requests, parents and children per call");
+  if (z.is_cuda()) check_expand_cuda_shared(op, cand_ids.size(1), parent_states.size(1), width);
 }
 
 inline void check_build_supertree_inputs(const ExpandWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
@@ -294,6 +301,11 @@ inline void check_build_supertree_inputs(const ExpandWeights& w, const at::Tenso
   }
   check_expand_sizes(op, e, g, cand_ids.size(2));
   TORCH_CHECK_VALUE(!z.is_cuda() || batch <= 65535, op, ": CUDA kernels take at most 65535 requests per call");
+  if (z.is_cuda()) {
+    int64_t widest = 1;
+    for (int64_t width : widths) widest = width > widest ? width : widest;
+    check_expand_cuda_shared(op, cand_ids.size(2), widest, widest);
+  }
 }
 
 // build_supertree's outputs, [B, sum(widths)] depth-major, on cand_ids' device; both backends.

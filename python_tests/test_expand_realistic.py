@@ -71,3 +71,16 @@ def test_expand_depth_at_the_paper_shape_with_bad_ids(backend):
     assert torch.equal(parent_idx, expected[0]) and torch.equal(tokens, expected[3])
     torch.testing.assert_close(child_scores, expected[2], atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(child_states, expected[4], atol=2e-4, rtol=1e-5)
+
+
+def test_cuda_shared_memory_limit_is_a_clear_error(backend):
+    """The CUDA selection kernel's shared memory grows with K, P and W: past 48 KiB the op says so
+    instead of failing to launch (the CPU has no such limit)."""
+    if backend.name != "cuda":
+        pytest.skip("a CUDA-only limit")
+    head, z, cand_ids, cand_base, root_state = inputs(1, 2, torch.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        backend.ops.build_supertree(on(head, backend.device), *backend.put(z, cand_ids, cand_base, root_state),
+                                    [12, 400], -0.2)
+    backend.ops.build_supertree(on(head, backend.device), *backend.put(z, cand_ids, cand_base, root_state),
+                                [12, 150], -0.2)  # (64 + 150) x 33 + 18 x 150 floats fit

@@ -6,14 +6,15 @@
 // fc2 are read: nothing of size V is touched per depth.
 //
 // Three kernels per depth, each reading its weights once per launch (weight-stationary):
-//   expand_hidden   grid (E / 32, row chunks): SiLU(z + w_s s(u)) for all B x P parents; each warp
-//                   keeps 4 rows of w_s and runs them over the parents' states staged in shared memory.
-//   expand_select   grid (B): per request, each candidate's fc2 row dotted with all P parents'
-//                   hidden vectors (read once per request), the log-softmax over K per parent, the
-//                   top-W children, and a copy of each child's parent state for the update.
-//   expand_update   grid (G / 16, row chunks), not launched for the last depth: w_hh h for all
-//                   B x W children, each warp keeping the r / z / n rows of 2 state elements, and
-//                   the GRU gates in the epilogue.
+//   expand_hidden   grid (E / 8, chunks of 16 parents): SiLU(z + w_s s(u)) for all B x P parents;
+//                   each warp takes a row of w_s over the chunk's states staged in shared memory.
+//   expand_select   grid (B): per request, the K candidates' fc2 rows times the P parents' hidden
+//                   vectors (a shared-memory product: each fc2 row read once per request), the
+//                   log-softmax over K per parent, the top-W children (per-warp lists, merged),
+//                   and a copy of each child's parent state for the update.
+//   expand_update   grid (G / 8, chunks of 16 children), not launched for the last depth: w_hh h
+//                   for all B x W children, each warp taking the r / z / n rows of one state
+//                   element, and the GRU gates in the epilogue.
 // Weights and activations are float32, bfloat16 or float16 (read through `Elem`); accumulation,
 // scores and states float32. Workspace: expand_workspace_floats() floats (launchers.h).
 #pragma once
@@ -24,11 +25,10 @@
 namespace dartree {
 namespace kernels {
 
-constexpr int kExpandThreads = 256;
 constexpr int kRowsPerChunk = 16;       // activation rows staged in shared memory at a time (at most)
 constexpr int kStageFloats = 8192;      // 32 KiB of staged activations
-constexpr int kHiddenRowsPerWarp = 4;   // rows of w_s a warp keeps
-constexpr int kUpdateColsPerWarp = 2;   // state elements (x 3 gate rows of w_hh) a warp keeps
+constexpr int kHiddenRowsPerWarp = 1;   // rows of w_s a warp keeps
+constexpr int kUpdateColsPerWarp = 1;   // state elements (x 3 gate rows of w_hh) a warp keeps
 
 DARTREE_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -114,46 +114,91 @@ DARTREE_UNROLL
   }
 }
 
+// Next best of `values` after `previous` in the selection order (higher score, then lower index),
+// over one warp: lane l scans indices l, l + 32, ... of [0, n) (index = idx_base + i, or the
+// candidate's own index when `indices` is given). Every lane gets the result.
+DARTREE_DEVICE Candidate warp_next_best(const float* values, const int* indices, int n, int idx_base,
+                                        Candidate previous) {
+  Candidate mine{kNegInf, kNoCandidate};
+  for (int i = threadIdx.x % warpSize; i < n; i += warpSize) {
+    const float s = sanitize_score(values[i]);
+    const int index = indices != nullptr ? indices[i] : idx_base + i;
+    if (index != kNoCandidate && better(previous.score, previous.index, s, index)) mine = better_of(mine, Candidate{s, index});
+  }
+  for (int offset = warpSize / 2; offset > 0; offset /= 2) {
+    Candidate other;
+    other.score = __shfl_xor_sync(kFullWarpMask, mine.score, offset);
+    other.index = __shfl_xor_sync(kFullWarpMask, mine.index, offset);
+    mine = better_of(mine, other);
+  }
+  return mine;
+}
+
+constexpr int kSelectOutputsPerThread = 4;
+
 // grid (B). For request b: cand_scores[b, p, k] = parent_scores[b, p] + depth_bonus + log q(k | p)
-// for its valid parents (each candidate's fc2 row is read once and dotted with every parent's
-// hidden vector), then the top-W children (best first, ties to the lower p * K + k), each
-// child's parent state copied to child_h[b, w] for expand_update, and the next depth's parent
-// count.
+// for its valid parents, from the product of the K candidate fc2 rows and the P parents' hidden
+// vectors, staged in shared memory 32 columns at a time (each fc2 row is read once per request);
+// then the top-W children (best first, ties to the lower p * K + k): each warp takes the top W of
+// its slice, warp 0 merges them. Each child's parent state is copied to child_h[b, w] for
+// expand_update, and the next depth's parent count written.
 template <typename Elem>
 __global__ void expand_select_kernel(HeadParams<Elem> head, ExpandInputs in, float* cand_scores, const float* hidden,
                                      float* child_h, ExpandOutputs out) {
-  DARTREE_SHARED_ARRAY(Candidate, s_best, 33);
-  const int b = blockIdx.x, k = in.k, e = head.e, g = head.g;
+  DARTREE_DYNAMIC_SHARED(float, s_f);
+  const int b = blockIdx.x, k = in.k, e = head.e, g = head.g, width = in.width;
   const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
   int parents_here = in.num_parents[b];
   parents_here = parents_here < 0 ? 0 : (parents_here > in.p_max ? in.p_max : parents_here);
+  float* s_h = s_f + k * (kSelectChunk + 1);
+  float* s_top = s_h + in.p_max * (kSelectChunk + 1);  // [warps + 1][W] scores
+  int* s_top_idx = reinterpret_cast<int*>(s_top + (warps + 1) * width);  // [warps + 1][W] indices
   float* row_scores = cand_scores + static_cast<int64_t>(b) * in.p_max * k;
   const float* h_rows = hidden + static_cast<int64_t>(b) * in.p_max * e;
   const int64_t* ids = in.cand_ids + b * in.cand_stride;
   const Elem* base = static_cast<const Elem*>(in.cand_base) + b * in.cand_stride;
-  constexpr int kParentsPerPass = 8;
-  for (int c = warp; c < k; c += warps) {  // corrected logits, a warp per candidate
-    const int64_t id = ids[c];
-    const bool valid = id >= 0 && id < head.v;  // uniform per warp: an out-of-range id reads nothing, scores -inf
-    const Elem* row = head.fc2_weight + (valid ? id : 0) * e;
-    const float extra = valid ? to_float(base[c]) + (head.fc2_bias != nullptr ? to_float(head.fc2_bias[id]) : 0.0f)
-                              : 0.0f;
-    for (int p0 = 0; p0 < parents_here; p0 += kParentsPerPass) {
-      float acc[kParentsPerPass];
-DARTREE_UNROLL
-      for (int i = 0; i < kParentsPerPass; ++i) acc[i] = 0.0f;
-      if (valid) {
-        for (int j = lane; j < e; j += warpSize) {
-          const float w = to_float(row[j]);
-DARTREE_UNROLL
-          for (int i = 0; i < kParentsPerPass; ++i)
-            if (p0 + i < parents_here) acc[i] += w * h_rows[static_cast<int64_t>(p0 + i) * e + j];
+  const int count = parents_here * k;
+
+  // corrected logits: outputs o = p * K + c, kSelectOutputsPerThread per thread per group
+  for (int o0 = 0; o0 < count; o0 += kSelectOutputsPerThread * blockDim.x) {
+    float acc[kSelectOutputsPerThread];
+    DARTREE_UNROLL
+    for (int q = 0; q < kSelectOutputsPerThread; ++q) acc[q] = 0.0f;
+    for (int e0 = 0; e0 < e; e0 += kSelectChunk) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < k * kSelectChunk; i += blockDim.x) {
+        const int c = i / kSelectChunk, j = i % kSelectChunk;
+        const int64_t id = ids[c];
+        // an out-of-range id reads nothing (its logit is set to -inf below)
+        s_f[c * (kSelectChunk + 1) + j] = (id >= 0 && id < head.v && e0 + j < e) ? to_float(head.fc2_weight[id * e + e0 + j]) : 0.0f;
+      }
+      for (int i = threadIdx.x; i < parents_here * kSelectChunk; i += blockDim.x) {
+        const int p = i / kSelectChunk, j = i % kSelectChunk;
+        s_h[p * (kSelectChunk + 1) + j] = e0 + j < e ? h_rows[static_cast<int64_t>(p) * e + e0 + j] : 0.0f;
+      }
+      __syncthreads();
+      DARTREE_UNROLL
+      for (int q = 0; q < kSelectOutputsPerThread; ++q) {
+        const int o = o0 + q * blockDim.x + threadIdx.x;
+        if (o < count) {
+          const float* f = s_f + (o % k) * (kSelectChunk + 1);
+          const float* h = s_h + (o / k) * (kSelectChunk + 1);
+          float sum = 0.0f;
+          DARTREE_UNROLL
+          for (int j = 0; j < kSelectChunk; ++j) sum += f[j] * h[j];
+          acc[q] += sum;
         }
       }
-DARTREE_UNROLL
-      for (int i = 0; i < kParentsPerPass; ++i) {
-        const float v = warp_sum(acc[i]);
-        if (lane == 0 && p0 + i < parents_here) row_scores[(p0 + i) * k + c] = valid ? v + extra : kNegInf;
+    }
+    DARTREE_UNROLL
+    for (int q = 0; q < kSelectOutputsPerThread; ++q) {
+      const int o = o0 + q * blockDim.x + threadIdx.x;
+      if (o < count) {
+        const int c = o % k;
+        const int64_t id = ids[c];
+        const bool valid = id >= 0 && id < head.v;
+        row_scores[o] = valid ? acc[q] + to_float(base[c]) + (head.fc2_bias != nullptr ? to_float(head.fc2_bias[id]) : 0.0f)
+                              : kNegInf;
       }
     }
   }
@@ -171,21 +216,40 @@ DARTREE_UNROLL
     for (int c = lane; c < k; c += warpSize) logits[c] += offset;
   }
   __syncthreads();
-  const int count = parents_here * k;
-  if (threadIdx.x == 0) out.num_children[b] = count < in.width ? count : in.width;
+  // each warp: the top W of its slice [lo, hi); then warp 0 merges the warps' lists
+  const int per_warp = (count + warps - 1) / warps;
+  const int lo = warp * per_warp < count ? warp * per_warp : count;
+  const int hi = lo + per_warp < count ? lo + per_warp : count;
   Candidate previous{kPosInf, -1};
-  for (int w = 0; w < in.width; ++w) {  // the w-th best child
-    const int64_t slot = static_cast<int64_t>(b) * out.stride + w;
-    Candidate mine{kNegInf, kNoCandidate};
-    if (previous.index != kNoCandidate)
-      for (int c = threadIdx.x; c < count; c += blockDim.x) {
-        const float s = sanitize_score(row_scores[c]);
-        if (better(previous.score, previous.index, s, c)) mine = better_of(mine, Candidate{s, c});
+  for (int w = 0; w < width; ++w) {
+    const Candidate next = previous.index == kNoCandidate ? previous
+                                                          : warp_next_best(row_scores + lo, nullptr, hi - lo, lo, previous);
+    if (lane == 0) {
+      s_top[warp * width + w] = next.score;
+      s_top_idx[warp * width + w] = next.index;
+    }
+    previous = next;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    previous = Candidate{kPosInf, -1};
+    for (int w = 0; w < width; ++w) {
+      const Candidate next = previous.index == kNoCandidate ? previous
+                                                            : warp_next_best(s_top, s_top_idx, warps * width, 0, previous);
+      if (lane == 0) {
+        s_top[warps * width + w] = next.score;
+        s_top_idx[warps * width + w] = next.index;
       }
-    previous = previous.index == kNoCandidate ? previous : block_best(mine, s_best);
-    float* h_out = child_h == nullptr ? nullptr : child_h + (static_cast<int64_t>(b) * in.width + w) * g;
-    if (previous.index == kNoCandidate) {  // fewer than w + 1 children exist: padding
-      if (threadIdx.x == 0) {
+      previous = next;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) out.num_children[b] = count < width ? count : width;
+  for (int w = warp; w < width; w += warps) {  // a warp per child: outputs and the parent-state copy
+    const int64_t slot = static_cast<int64_t>(b) * out.stride + w;
+    const int index = s_top_idx[warps * width + w];
+    if (index == kNoCandidate) {  // fewer than w + 1 children exist: padding
+      if (lane == 0) {
         out.parent_idx[slot] = -1;
         if (out.child_k != nullptr) out.child_k[slot] = -1;
         out.scores[slot] = kNegInf;
@@ -194,17 +258,18 @@ DARTREE_UNROLL
       }
       continue;
     }
-    const int p = previous.index / k, c = previous.index % k;
-    if (threadIdx.x == 0) {
+    const int p = index / k, c = index % k;
+    if (lane == 0) {
       out.parent_idx[slot] = p + out.parent_offset;
       if (out.child_k != nullptr) out.child_k[slot] = c;
-      out.scores[slot] = previous.score;
+      out.scores[slot] = s_top[warps * width + w];
       out.tokens[slot] = ids[c];
       if (out.depths != nullptr) out.depths[slot] = out.depth_value;
     }
-    if (h_out != nullptr) {
+    if (child_h != nullptr) {
       const float* h = in.parent_states + (static_cast<int64_t>(b) * in.p_max + p) * g;
-      for (int j = threadIdx.x; j < g; j += blockDim.x) h_out[j] = h[j];
+      float* h_out = child_h + (static_cast<int64_t>(b) * width + w) * g;
+      for (int j = lane; j < g; j += warpSize) h_out[j] = h[j];
     }
   }
 }
@@ -309,9 +374,10 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
   float* child_h = hidden + static_cast<int64_t>(in.batch) * in.p_max * head.e;
   const size_t staged = sizeof(float) * static_cast<size_t>(stage_rows(head.g)) * head.g;
   if (in.p_max > 0) {
-    // every row block re-reads w_s: row blocks of 128 parents (B = 10 at P = 12) read it once for most batches
+    // a block per staged chunk of parents: every chunk re-reads its w_s rows (from L2), which buys
+    // one block per 16 parents x 8 rows of w_s of parallelism
     const int64_t rows = static_cast<int64_t>(in.batch) * in.p_max;
-    const int rows_per_block = 128;
+    const int rows_per_block = stage_rows(head.g);
     const unsigned col_blocks = static_cast<unsigned>((head.e + warps * kHiddenRowsPerWarp - 1) / (warps * kHiddenRowsPerWarp));
     auto hidden_kernel = expand_hidden_kernel<Elem>;
     DARTREE_LAUNCH(hidden_kernel, dim3(col_blocks, static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)),
@@ -320,11 +386,12 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
   if (in.width > 0) {
     const bool update = out.child_states != nullptr;  // null: the last depth, whose children are never expanded
     auto select_kernel = expand_select_kernel<Elem>;
-    DARTREE_LAUNCH(select_kernel, dim3(static_cast<unsigned>(in.batch)), dim3(kExpandThreads), 0, stream, head, in,
-                   cand_scores, hidden, update ? child_h : nullptr, out);
+    const size_t select_shared = sizeof(float) * static_cast<size_t>(expand_select_shared_floats(in.k, in.p_max, in.width));
+    DARTREE_LAUNCH(select_kernel, dim3(static_cast<unsigned>(in.batch)), dim3(kExpandThreads), select_shared, stream, head,
+                   in, cand_scores, hidden, update ? child_h : nullptr, out);
     if (update) {
       const int64_t rows = static_cast<int64_t>(in.batch) * in.width;
-      const int rows_per_block = 128;
+      const int rows_per_block = stage_rows(head.g);
       const unsigned col_blocks = static_cast<unsigned>((head.g + warps * kUpdateColsPerWarp - 1) / (warps * kUpdateColsPerWarp));
       auto update_kernel = expand_update_kernel<Elem>;
       DARTREE_LAUNCH(update_kernel, dim3(col_blocks, static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)),

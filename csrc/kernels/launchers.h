@@ -97,6 +97,16 @@ struct ExpandOutputs {  // rows `stride` apart; the depth's W children start at 
   int32_t* num_children;  // [B]: min(W, valid parents x K)
 };
 
+constexpr int kExpandThreads = 256;  // threads per block of the expand kernels
+constexpr int kSelectChunk = 32;     // E columns staged per step of expand_select's candidate x parent product
+
+// Dynamic shared memory of expand_select, in floats: the staged fc2 rows and parents' hidden
+// vectors ((K + P) x 33) and the per-warp top-W lists (warps + 1 lists of W scores and indices).
+inline int64_t expand_select_shared_floats(int64_t k, int64_t p_max, int64_t width) {
+  return (k + p_max) * (kSelectChunk + 1) + 2 * (kExpandThreads / 32 + 1) * width;
+}
+constexpr int64_t kExpandSharedLimitFloats = 48 * 1024 / 4;  // what a block gets without opting in
+
 // Floats of the workspace one depth needs: candidate scores [B, P, K], the parents' hidden
 // vectors [B, P, E] and the children's parent states [B, W, G].
 inline int64_t expand_workspace_floats(int64_t batch, int64_t p_max, int64_t k, int64_t width, int64_t e, int64_t g) {
