@@ -47,11 +47,15 @@ def test_warp_primitives_and_atomics(emu, threads):
     ballots = torch.zeros(warps, dtype=torch.int32)
     total = torch.zeros(1, dtype=torch.int32)
     minimum = torch.full((1,), 1 << 30, dtype=torch.int32)
+    if threads % 32:  # a full-mask collective in a partial warp names lanes that do not exist
+        with pytest.raises(RuntimeError, match="does not exist"):
+            emu.call("emu_warp_primitives", _ptr(values), threads, _ptr(warp_sums), _ptr(ballots), _ptr(total),
+                     _ptr(minimum))
+        return
     emu.call("emu_warp_primitives", _ptr(values), threads, _ptr(warp_sums), _ptr(ballots), _ptr(total), _ptr(minimum))
     for w in range(warps):
         lanes = values[32 * w: 32 * (w + 1)]
-        if len(lanes) == 32:  # a shuffle-down tree over a partial warp reads absent lanes
-            assert int(warp_sums[w]) == int(lanes.sum())
+        assert int(warp_sums[w]) == int(lanes.sum())
         expected_ballot = sum(1 << lane for lane, v in enumerate(lanes.tolist()) if v & 1)
         assert int(ballots[w]) & 0xFFFFFFFF == expected_ballot
     assert int(total) == int(values.sum())
@@ -74,3 +78,28 @@ def test_oversized_block_is_rejected(emu):
     out = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="1..1024 threads"):
         emu.call("emu_block_sum", _ptr(values), 2048, 2048, 1, _ptr(out))
+
+
+def test_barrier_after_exit_is_an_error(emu):
+    """__syncthreads reached after some threads of the block returned is undefined in CUDA."""
+    with pytest.raises(RuntimeError, match="exited"):
+        emu.call("emu_exit_then_barrier", _ptr(torch.zeros(32, dtype=torch.int32)))
+
+
+def test_shuffle_with_an_exited_lane_is_an_error(emu):
+    with pytest.raises(RuntimeError, match="lane 31 of warp 0 is in the mask but exited"):
+        emu.call("emu_exit_then_shuffle", _ptr(torch.zeros(32, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((1, 70000, 1, 32, 1, 1, 0), "gridDim.y = 70000"),
+    ((1, 1, 0, 32, 1, 1, 0), "gridDim.z = 0"),
+    ((1, 1, 1, 1, 1, 65, 0), "blockDim.z = 65"),
+    ((1, 1, 1, 32, 1, 1, 64 * 1024), "without opting in"),
+])
+def test_launches_past_the_real_limits_fail(emu, shape, match):
+    out = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=match):
+        emu.call("emu_launch_shape", *shape, _ptr(out))
+    emu.call("emu_launch_shape", 2, 3, 1, 32, 1, 1, 48 * 1024, _ptr(out))  # at the limits: runs
+    assert int(out) == 1

@@ -70,6 +70,27 @@ __global__ void divergent_barrier_kernel(int32_t* out) {
   out[threadIdx.x] = 1;
 }
 
+// Deliberately broken kernels for the emulation's own checks.
+// Threads 16.. exit, the rest wait at __syncthreads (undefined in CUDA).
+__global__ void exit_then_barrier_kernel(int32_t* out) {
+  if (threadIdx.x >= 16) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+// Lane 31 exits, the others shuffle with the full mask (undefined in CUDA).
+__global__ void exit_then_shuffle_kernel(int32_t* out) {
+  if (threadIdx.x % 32 == 31) return;
+  out[threadIdx.x] = __shfl_xor_sync(dartree::kernels::kFullWarpMask, static_cast<int>(threadIdx.x), 1);
+}
+
+// Writes 1 per thread; for launches of any shape.
+__global__ void touch_kernel(int32_t* out) {
+  DARTREE_DYNAMIC_SHARED(int32_t, s);
+  s[0] = 1;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) out[0] = s[0];
+}
+
 }  // namespace
 
 extern "C" {
@@ -99,6 +120,21 @@ int emu_warp_primitives(const int32_t* values, int threads, int32_t* warp_sums, 
   return guarded([&] {
     DARTREE_LAUNCH(warp_primitives_kernel, dim3(1), dim3(threads), 0, nullptr, values, warp_sums, ballots,
                    atomic_total, atomic_min);
+  });
+}
+
+int emu_exit_then_barrier(int32_t* out) {
+  return guarded([&] { DARTREE_LAUNCH(exit_then_barrier_kernel, dim3(1), dim3(32), 0, nullptr, out); });
+}
+
+int emu_exit_then_shuffle(int32_t* out) {
+  return guarded([&] { DARTREE_LAUNCH(exit_then_shuffle_kernel, dim3(1), dim3(32), 0, nullptr, out); });
+}
+
+int emu_launch_shape(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, int64_t shared_bytes,
+                     int32_t* out) {
+  return guarded([&] {
+    DARTREE_LAUNCH(touch_kernel, dim3(gx, gy, gz), dim3(bx, by, bz), static_cast<size_t>(shared_bytes), nullptr, out);
   });
 }
 

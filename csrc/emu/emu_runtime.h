@@ -1,12 +1,16 @@
 // Test-only CUDA emulation: runs the device code of csrc/kernels/*.cuh on the CPU.
 //
-// Every CUDA thread of a block is a ucontext fiber. Fibers run cooperatively in thread-index
-// order, each until it reaches a barrier (__syncthreads, or a warp collective), so a kernel that
+// Every CUDA thread of a block is a ucontext fiber. Fibers run cooperatively (in thread-index
+// order, its reverse, or shuffled at every sweep: emu_set_schedule), each until it reaches a barrier (__syncthreads, or a warp collective), so a kernel that
 // forgets a barrier reads memory its peers have not written yet and computes a wrong result
 // instead of passing by luck. Blocks run one after another. Shared memory is poisoned (0xFF
 // bytes: -1 for integers, NaN for floats) at the start of every block, so reading it before
 // writing it shows up too. A barrier that can never be released (divergent __syncthreads, a
-// warp collective that not every live lane reaches) is reported as an error, not a hang.
+// warp collective that not every live lane reaches) is reported as an error, not a hang, and so
+// is what CUDA leaves undefined: __syncthreads after some threads of the block exited, a warp
+// collective whose mask names a lane that exited or does not exist or whose lanes pass different
+// masks, and launches past the real limits (block and grid dimensions, 48 KiB of shared memory
+// without the opt-in no kernel here uses).
 //
 // Include this header before csrc/kernels/common.cuh. Launches from one OS thread at a time.
 #pragma once
@@ -48,7 +52,11 @@ constexpr int kWarpSize = 32;
 constexpr unsigned char kSharedPoison = 0xFF;
 constexpr size_t kFiberStackBytes = 128 * 1024;
 constexpr unsigned kMaxThreadsPerBlock = 1024;
-constexpr size_t kMaxSharedBytes = 228 * 1024;
+// What a block gets without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize, which no
+// kernel here uses): 48 KiB of static + dynamic shared memory on every arch we build for.
+constexpr size_t kMaxSharedBytes = 48 * 1024;
+constexpr unsigned kMaxBlockDim[3] = {1024, 1024, 64};
+constexpr unsigned long long kMaxGridDim[3] = {2147483647ull, 65535ull, 65535ull};
 
 enum class FiberState { kReady, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
@@ -62,6 +70,7 @@ struct Fiber {
   FiberState state = FiberState::kReady;
   dim3 thread_idx;
   unsigned linear = 0;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+  unsigned warp_mask = 0;  // the mask of the warp collective this thread waits at
 };
 
 struct Runtime {
@@ -99,8 +108,9 @@ inline void block_barrier() {
   yield_to_scheduler();
 }
 
-inline void warp_barrier() {
+inline void warp_barrier(unsigned mask = 0xffffffffu) {
   self().state = FiberState::kAtWarpBarrier;
+  self().warp_mask = mask;
   yield_to_scheduler();
 }
 
@@ -122,6 +132,11 @@ inline bool release_barriers(Runtime& rt) {
   }
   bool released = false;
   if (live > 0 && at_block == live) {
+    if (live < n) {  // CUDA: every thread of the block must reach __syncthreads (exited ones cannot)
+      rt.error = "__syncthreads reached after " + std::to_string(n - live) + " of the block's " + std::to_string(n) +
+                 " threads exited";
+      return false;
+    }
     for (Fiber& f : rt.fibers)
       if (f.state == FiberState::kAtBlockBarrier) f.state = FiberState::kReady;
     released = true;
@@ -134,6 +149,28 @@ inline bool release_barriers(Runtime& rt) {
       if (rt.fibers[i].state == FiberState::kAtWarpBarrier) ++warp_waiting;
     }
     if (warp_live > 0 && warp_waiting == warp_live) {
+      // every waiting lane names the same mask, and every lane of the mask exists and is waiting
+      unsigned mask = 0;
+      bool first = true;
+      for (size_t i = base; i < end; ++i) {
+        const Fiber& f = rt.fibers[i];
+        if (f.state != FiberState::kAtWarpBarrier) continue;
+        if (!first && f.warp_mask != mask) {
+          rt.error = "warp collective: lanes of warp " + std::to_string(base / kWarpSize) + " pass different masks";
+          return false;
+        }
+        mask = f.warp_mask;
+        first = false;
+      }
+      for (unsigned lane = 0; lane < static_cast<unsigned>(kWarpSize); ++lane) {
+        if (!(mask >> lane & 1u)) continue;
+        const size_t i = base + lane;
+        if (i >= end || rt.fibers[i].state != FiberState::kAtWarpBarrier) {
+          rt.error = "warp collective: lane " + std::to_string(lane) + " of warp " + std::to_string(base / kWarpSize) +
+                     (i >= end ? " is in the mask but does not exist (partial warp)" : " is in the mask but exited");
+          return false;
+        }
+      }
       for (size_t i = base; i < end; ++i)
         if (rt.fibers[i].state == FiberState::kAtWarpBarrier) rt.fibers[i].state = FiberState::kReady;
       released = true;
@@ -175,7 +212,9 @@ inline void run_block(Runtime& rt) {
     bool all_done = true;
     for (const Fiber& f : rt.fibers) all_done = all_done && f.state == FiberState::kDone;
     if (all_done) return;
-    if (!release_barriers(rt) && !ran) {
+    const bool released = release_barriers(rt);
+    if (!rt.error.empty()) return;  // a misused barrier or collective (the fibers are abandoned)
+    if (!released && !ran) {
       rt.error = "deadlock: no thread can proceed (a barrier or warp collective that some live "
                  "thread never reaches)";
       return;
@@ -189,9 +228,19 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
   const unsigned long long nthreads = 1ull * block.x * block.y * block.z;
   if (nthreads == 0 || nthreads > kMaxThreadsPerBlock)
     throw std::invalid_argument("emulated launch: block must have 1..1024 threads, got " + std::to_string(nthreads));
+  const unsigned bdim[3] = {block.x, block.y, block.z};
+  const unsigned gdim[3] = {grid.x, grid.y, grid.z};
+  for (int d = 0; d < 3; ++d) {
+    if (bdim[d] > kMaxBlockDim[d])
+      throw std::invalid_argument("emulated launch: blockDim." + std::string(1, "xyz"[d]) + " = " +
+                                  std::to_string(bdim[d]) + " exceeds " + std::to_string(kMaxBlockDim[d]));
+    if (gdim[d] == 0 || gdim[d] > kMaxGridDim[d])
+      throw std::invalid_argument("emulated launch: gridDim." + std::string(1, "xyz"[d]) + " = " +
+                                  std::to_string(gdim[d]) + " outside 1.." + std::to_string(kMaxGridDim[d]));
+  }
   if (dynamic_shared_bytes > kMaxSharedBytes)
-    throw std::invalid_argument("emulated launch: too much dynamic shared memory: " +
-                                std::to_string(dynamic_shared_bytes));
+    throw std::invalid_argument("emulated launch: " + std::to_string(dynamic_shared_bytes) +
+                                " bytes of dynamic shared memory exceed the 49152 a block gets without opting in");
   rt.grid = grid;
   rt.block = block;
   rt.body = &body;
@@ -234,7 +283,7 @@ T* static_shared_array(const void* key, size_t count) {
 // Warp exchange: every live lane publishes a value, waits for the warp, reads, waits again so the
 // slots are not overwritten before everybody has read them.
 template <typename T, typename SourceLane>
-T warp_exchange(T value, SourceLane source_lane) {
+T warp_exchange(T value, SourceLane source_lane, unsigned mask) {
   static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable<T>::value,
                 "emulated shuffles move at most 8 bytes");
   Runtime& rt = runtime();
@@ -243,13 +292,13 @@ T warp_exchange(T value, SourceLane source_lane) {
   uint64_t slot = 0;
   std::memcpy(&slot, &value, sizeof(T));
   rt.exchange[me] = slot;
-  warp_barrier();
+  warp_barrier(mask);
   int src = source_lane(static_cast<int>(me % kWarpSize));
   T out = value;
   const unsigned src_linear = warp_base + static_cast<unsigned>(src);
   if (src >= 0 && src < kWarpSize && src_linear < rt.fibers.size())
     std::memcpy(&out, &rt.exchange[src_linear], sizeof(T));
-  warp_barrier();
+  warp_barrier(mask);
   return out;
 }
 
@@ -262,28 +311,30 @@ T warp_exchange(T value, SourceLane source_lane) {
 #define warpSize 32
 
 inline void __syncthreads() { ::dartree_emu::block_barrier(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { ::dartree_emu::warp_barrier(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::dartree_emu::warp_barrier(mask); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 
 template <typename T>
-T __shfl_sync(unsigned, T var, int src_lane, int width = 32) {
-  return ::dartree_emu::warp_exchange(var, [&](int lane) { return lane - lane % width + src_lane % width; });
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+  return ::dartree_emu::warp_exchange(var, [&](int lane) { return lane - lane % width + src_lane % width; }, mask);
 }
 template <typename T>
-T __shfl_down_sync(unsigned, T var, unsigned delta, int width = 32) {
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   return ::dartree_emu::warp_exchange(
-      var, [&](int lane) { return lane % width + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : lane; });
+      var, [&](int lane) { return lane % width + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : lane; },
+      mask);
 }
 template <typename T>
-T __shfl_up_sync(unsigned, T var, unsigned delta, int width = 32) {
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   return ::dartree_emu::warp_exchange(
-      var, [&](int lane) { return lane % width >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane; });
+      var, [&](int lane) { return lane % width >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane; },
+      mask);
 }
 template <typename T>
-T __shfl_xor_sync(unsigned, T var, int lane_mask, int width = 32) {
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   return ::dartree_emu::warp_exchange(
-      var, [&](int lane) { int src = lane ^ lane_mask; return src / width == lane / width ? src : lane; });
+      var, [&](int lane) { int src = lane ^ lane_mask; return src / width == lane / width ? src : lane; }, mask);
 }
 
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
@@ -291,14 +342,14 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   const unsigned me = ::dartree_emu::self().linear;
   const unsigned warp_base = me - me % ::dartree_emu::kWarpSize;
   rt.exchange[me] = predicate ? 1u : 0u;
-  ::dartree_emu::warp_barrier();
+  ::dartree_emu::warp_barrier(mask);
   unsigned bits = 0;
   for (unsigned lane = 0; lane < 32 && warp_base + lane < rt.fibers.size(); ++lane) {
     const ::dartree_emu::Fiber& f = rt.fibers[warp_base + lane];
     // an exited lane contributes nothing; a waiting lane has published its predicate
     if (f.state != ::dartree_emu::FiberState::kDone && rt.exchange[warp_base + lane]) bits |= 1u << lane;
   }
-  ::dartree_emu::warp_barrier();
+  ::dartree_emu::warp_barrier(mask);
   return bits & mask;
 }
 inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
