@@ -6,6 +6,7 @@
 #
 #   bash bench/speed_tables.sh                # steps: t0 t1 sweep fp32
 #   bash bench/speed_tables.sh fixed          # tau at the paper's B = 64, W = 12 (OLD= and NEW= drafters)
+#   bash bench/speed_tables.sh estimator early_exit   # the verification head: sizing estimator, early exit
 #   DTYPE=float32 NUM=3 bash bench/speed_tables.sh t0
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +33,14 @@ for step in "${steps[@]}"; do
           --temperatures 0 --draft-vocab both --json "$OUT/e2e_smollm2_speed_sweep.json" ;;
     fp32) $PYTHON "${common[@]}" --dtype float32 --budget auto --methods ddtree,dartree --hf \
           --temperatures 0 --json "$OUT/e2e_smollm2_speed_fp32.json" ;;
+    estimator) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --methods chain,dartree \
+          --sweep estimator=score,vh --temperatures 0 --json "$OUT/e2e_smollm2_speed_estimator.json" ;;
+    early_exit) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget 64 --methods chain,chain_corrected \
+          --sweep early_exit=none,0.4,0.6,0.8 --temperatures 0 --json "$OUT/e2e_smollm2_speed_early_exit.json" ;;
     fixed) $PYTHON bench/e2e.py --target smollm2 --drafter "old=${OLD:?set OLD=dir},new=${NEW:?set NEW=dir}" \
           --sets gsm8k,humaneval,mtbench --num-prompts 3 --max-new-tokens 48 --device "$DEVICE" --dtype float32 \
           --budget 64 --width 12 --methods ddtree,dartree --temperatures 0 --draft-vocab off \
           --json "$OUT/e2e_smollm2_fixed_b64_drafters.json" ;;
-    *) echo "unknown step $step (t0 t1 sweep fp32 fixed)"; exit 2 ;;
+    *) echo "unknown step $step (t0 t1 sweep fp32 estimator early_exit fixed)"; exit 2 ;;
   esac
 done

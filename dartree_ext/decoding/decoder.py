@@ -1,10 +1,16 @@
 """Speculative decoding of a HuggingFace causal LM with draft trees, lossless at any temperature.
 
+``generate`` prefills the prompts (``_prefill``), then runs rounds until every request is done.
 One round, for every unfinished request at once (each with its own tree and acceptance):
-drafter pass -> draft tree (the ops) -> ``tree_attention_mask`` + positions -> one target
-forward over root + tree -> the target's token at every node (argmax, or a sample at T > 0) ->
-``verify_tree`` -> commit the accepted path and the bonus token -> ``compact_kv_`` on every
-layer -> the target hidden states of the accepted path become the drafter's new context.
+
+* ``_draft``: the drafter pass from each row's last committed token (the root);
+* ``_tree``: the method's draft tree from it (the ops), cut to the chosen size with
+  ``budget="auto"`` or at the verification head's predicted first rejection with ``early_exit``;
+* ``_verify``: ``tree_attention_mask`` + positions, one target forward over root + tree, the
+  target's token at every node (argmax, or a sample at T > 0), ``verify_tree``;
+* ``_commit``: the accepted path enters the KV cache (``compact_kv_`` on every layer) and its
+  target hidden states the drafter's context; the bonus token is the next root;
+* ``_retire``: the round's tokens and stats per request; finished requests leave the batch.
 
 Cache layout: slot ``j`` of request ``b`` holds a committed token for ``pad[b] <= j < length[b]``
 (prompts are left-padded); the last committed token (the *root*) is not in the cache yet, it
@@ -520,7 +526,7 @@ class SpeculativeDecoder:
             self._commit(run, state, tree, verdict, chosen, draft)
             self._retire(run, state, tree, verdict, chosen)
             if bar is not None:
-                bar.update(int(verdict.accept_len.sum()) + verdict.accept_len.numel())
+                bar.update(sum(verdict.accepted) + len(verdict.accepted))
             spent = 1e3 * (run.tick("bookkeeping") - start)
             self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
         if bar is not None:
