@@ -177,8 +177,9 @@ def _check_options(op: str, rule: str, temperature: float, schedule: str, decay_
         raise ValueError(f"{op}: rule must be one of {RULES}, got {rule!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"{op}: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if rule == "sample" and not (math.isfinite(float(temperature)) and float(temperature) > 0):
-        raise ValueError(f"{op}: temperature must be finite and > 0 for rule='sample', got {temperature}")
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0):  # any rule: a wrong value is a bug
+        raise ValueError(f"{op}: temperature must be finite and > 0, got {temperature}"
+                         + (" (the greedy rule does not use it, but it must still be valid)" if rule != "sample" else ""))
     if not (math.isfinite(float(decay_gamma)) and float(decay_gamma) > 0):
         raise ValueError(f"{op}: decay_gamma must be finite and > 0, got {decay_gamma}")
     if not math.isfinite(float(vh_weight)):
@@ -318,7 +319,7 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         vh_logits: ``[M, K]`` verification-head logits (gradients flow here), or None (``vh_loss = 0``).
         valid: ``bool[M, K]``; False past a sequence's end: such positions neither reject nor count.
         rule: ``"greedy"`` or ``"sample"`` (acceptance of the simulated verification).
-        temperature: the sampling rule's temperature (> 0); ignored by the greedy rule.
+        temperature: the sampling rule's temperature (> 0; checked for every rule, used by the sampling rule only).
         schedule: one of :data:`SCHEDULES`.
         decay_gamma: the decay length of the exponential schedules (> 0).
         vh_weight: the weight of ``vh_loss`` in ``loss``.

@@ -317,3 +317,20 @@ def test_compact_kv_cache_not_contiguous(device):
         ops.compact_kv_(keys.transpose(2, 3).contiguous().transpose(2, 3), values,
                         torch.tensor([[5, 6], [3, 4]], device=device), torch.tensor([2, 2], device=device),
                         torch.tensor([2, 2], dtype=torch.int32, device=device))
+
+
+def test_select_top_w_width_zero(device):
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
+                         torch.ones(1, dtype=torch.int32, device=device), 0)
+
+
+def test_compact_kv_keys_and_values_disagree(device):
+    keys = torch.zeros(1, 2, 8, 4, device=device)
+    values = torch.zeros(1, 3, 8, 4, device=device)  # another head count
+    with pytest.raises(ValueError, match=r"must agree on \[B, H, S\]"):
+        ops.compact_kv_(keys, values, torch.zeros(1, 1, dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int32, device=device))
+    ops.compact_kv_(keys, torch.zeros(1, 2, 8, 6, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device),
+                    torch.zeros(1, dtype=torch.int64, device=device),
+                    torch.ones(1, dtype=torch.int32, device=device))  # head dims may differ

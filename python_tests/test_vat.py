@@ -493,7 +493,9 @@ def test_bad_options(device):
     for t in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="temperature must be finite and > 0 for rule='sample'"):
             vat.vat_loss(draft, target, tokens, vh, valid, rule="sample", temperature=t)
-    vat.vat_loss(draft, target, tokens, vh, valid, rule="greedy", temperature=0.0)  # greedy ignores it
+    for t in (0.0, -1.0, float("nan")):  # the greedy rule does not use it, but a wrong value is still an error
+        with pytest.raises(ValueError, match="temperature"):
+            vat.vat_loss(draft, target, tokens, vh, valid, rule="greedy", temperature=t)
     with pytest.raises(ValueError, match="rule must be one of"):
         vat.vat_loss(draft, target, tokens, vh, valid, rule="topk")
     with pytest.raises(ValueError, match="schedule must be one of"):
