@@ -29,6 +29,7 @@ import torch
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter
+from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
 from dartree_ext.tree import parse_width
 
 DEFAULT_PROMPTS = [
@@ -47,10 +48,6 @@ class Params:
     depth_bonus: float = -0.2
     early_exit: float | None = None     # the verification head's threshold p (None: no early exit)
     estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
-
-
-def float_or_none(text: str) -> float | None:
-    return None if text.lower() in ("none", "off") else float(text)
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -172,10 +169,6 @@ def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_to
                 split={}, accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=outputs)
 
 
-def budget_arg(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def first_divergence(outputs: list, reference: list) -> list:
     """Per response: the index of the first token that differs from the reference (None if equal)."""
     firsts = []
@@ -254,16 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--budget", type=budget_arg, default=64, help="B, or 'auto' (per-round size from the "
-                        "cost model)")
-    parser.add_argument("--width", type=parse_width, default=12, help="W, or per-depth widths w1,w2,... (the last "
-                        "repeats), e.g. 32,12")
-    parser.add_argument("--K", type=int, default=64)
-    parser.add_argument("--depth-bonus", type=float, default=-0.2)
-    parser.add_argument("--early-exit", type=float_or_none, default=None,
-                        help="the verification head's early-exit threshold p (default: none)")
-    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
-                        help="budget auto: node acceptance from calibrated scores or the verification head")
+    add_decoding_args(parser, budget_default=64)
     parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget, depth_bonus, early_exit "
                         "(none = off) or estimator (per-depth widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
@@ -297,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
         kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else \
-            budget_arg if name == "budget" else float_or_none if name == "early_exit" else \
+            budget_arg if name == "budget" else early_exit_arg if name == "early_exit" else \
             type(getattr(base_params, name))
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "

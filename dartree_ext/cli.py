@@ -1,8 +1,10 @@
 """Command-line entry points.
 
-``dartree-demo``: one speculative-decoding round on a toy problem, with the library's ops: a draft
-tree, its attention mask, the target's tokens and the verification walk. It stands in for the
-real decoding job until the decoding loop lands.
+* ``dartree-generate``: speculative decoding of a prompt (SmolLM2 with the shipped drafter by
+  default), with a JSON summary and, with ``--compare-ar``, the speedup over plain decoding.
+* ``dartree-profile``: measure and print the cost model ``budget="auto"`` sizes trees with.
+* ``dartree-demo``: one decoding round on a toy problem with the ops alone (a draft tree, its
+  attention mask, the target's tokens and the verification walk), checked against the reference.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import torch
 
 from . import build_info, ops, reference
+from ._widths import parse_width
 from .sampling import target_tokens_from_logits
 
 log = logging.getLogger(__name__)
@@ -84,9 +87,6 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0 if result["matches_reference"] else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(demo_main())
-
 
 def budget_arg(text: str) -> int | str:
     """``"auto"`` or a positive integer (the command-line form of a budget)."""
@@ -101,6 +101,34 @@ def budget_arg(text: str) -> int | str:
     return value
 
 
+def early_exit_arg(text: str) -> float | None:
+    """``"none"`` / ``"off"`` or a probability threshold in (0, 1)."""
+    if text.lower() in ("none", "off"):
+        return None
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"an early-exit threshold is in (0, 1), got {value}")
+    return value
+
+
+def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str = "auto") -> None:
+    """The flags that set up a :class:`~dartree_ext.decoding.SpeculativeDecoder` (shared by
+    ``dartree-generate`` and ``bench/e2e.py``)."""
+    parser.add_argument("--budget", type=budget_arg, default=budget_default,
+                        help=f"draft nodes per round (B), or 'auto' (each round's tree sized by the measured cost "
+                             f"model; methods chain, chain_corrected, ddtree, dartree_fixed, dartree). Default "
+                             f"{budget_default}")
+    parser.add_argument("--width", type=parse_width, default=12, help="dartree's W, or per-depth widths w1,w2,... "
+                        "(the last repeats), e.g. 32,12")
+    parser.add_argument("--K", type=int, default=64, help="candidates per drafted position")
+    parser.add_argument("--depth-bonus", type=float, default=-0.2)
+    parser.add_argument("--early-exit", type=early_exit_arg, default=None, metavar="P",
+                        help="draft only up to the verification head's predicted first rejection (threshold P; "
+                             "default none)")
+    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
+                        help="budget auto: node acceptance from calibrated tree scores or the verification head")
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
     import json
@@ -109,7 +137,6 @@ def generate_main(argv: list[str] | None = None) -> int:
     from .decoding import METHODS, SpeculativeDecoder, left_pad
     from .decoding.decoder import AUTO_METHODS
     from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
-    from .tree import parse_width
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
                                      description="Speculative decoding with draft trees; prints the text, tau and "
@@ -127,17 +154,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budget", type=budget_arg, default="auto", help="draft nodes per round (B), or 'auto' "
-                        "(default): each round's tree sized by the measured cost model (methods chain, "
-                        "chain_corrected, ddtree, dartree_fixed, dartree; others use 64)")
-    parser.add_argument("--width", type=parse_width, default=12, help="dartree's W, or per-depth widths w1,w2,... "
-                        "(the last repeats)")
-    parser.add_argument("--K", type=int, default=64)
-    parser.add_argument("--depth-bonus", type=float, default=-0.2)
-    parser.add_argument("--early-exit", type=float, default=None, metavar="P",
-                        help="draft only up to the verification head's predicted first rejection (threshold P)")
-    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
-                        help="budget auto: node acceptance from calibrated tree scores or the verification head")
+    add_decoding_args(parser)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--compare-ar", action="store_true", help="also decode with 'ar' and print the speedup")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype)")
@@ -294,3 +311,7 @@ def profile_main(argv: list[str] | None = None) -> int:
         fig.savefig(args.plot, dpi=120)
     print(json.dumps({"draft_ms": cost.draft_ms, "tree_ms": cost.tree_ms}))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(demo_main())
