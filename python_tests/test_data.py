@@ -71,13 +71,17 @@ def test_training_prompts(P):
     third = min(i for i, k in enumerate(kinds) if k == "stdlib-methods")
     assert set(kinds[first_new:third]) == {"stdlib-code", "math-word-problems"}
     assert kinds.count("stdlib-code") >= 300 and kinds[first_new:third].count("math-word-problems") >= 250
-    # the third part (methods, more word problems) comes after the second, so p0 ... p1305 stay
-    assert set(kinds[third:]) == {"stdlib-methods", "math-word-problems"}
-    assert kinds.count("stdlib-methods") >= 200 and kinds[third:].count("math-word-problems") >= 1100  # duplicates dropped
+    # the third part (methods, more word problems) comes after the second, so p0 ... p1305 stay,
+    # and the self-generated (Magpie) requests after the third, so p0 ... p2750 stay
+    fourth = min(i for i, k in enumerate(kinds) if k == "magpie")
+    assert set(kinds[third:fourth]) == {"stdlib-methods", "math-word-problems"}
+    assert kinds.count("stdlib-methods") >= 200 and kinds[third:fourth].count("math-word-problems") >= 1100
+    assert set(kinds[fourth:]) == {"magpie"} and len(kinds) - fourth >= 1000
     short = P.training_prompts(max_chars=1200)   # what dartree-train --prompts shipped reads
     first_short = min(i for i, p in enumerate(short) if p.source in ("stdlib-code", "math-word-problems"))
     assert first_short == 603 and [p.id for p in short[first_short:]] == [p.id for p in train[first_new:]]
     assert [p.source for p in short].index("stdlib-methods") == 1306
+    assert [p.source for p in short].index("magpie") == 2751
     code = next(p for p in train if p.source == "stdlib-code")
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
     method = next(p for p in train if p.source == "stdlib-methods")

@@ -242,12 +242,15 @@ _ITEMS = ("apples", "pencils", "stickers", "cookies", "marbles", "books", "cupca
 
 def _stdlib_methods() -> list[Prompt]:
     """As :func:`_stdlib_code`, for the public methods (60-700 character docstrings) of the public
-    classes of the same modules."""
+    classes of the same modules. Only methods the module itself defines: other packages patch
+    stdlib classes at import (transformers adds ``logging.Logger.warning_advice``), and the list
+    must not depend on what else the process imported."""
     import inspect
     out = []
     for name, cname, cls in _stdlib_members("class"):
         for mname, fn in sorted(vars(cls).items()):
-            stub = _stub(mname, fn, "    ") if inspect.isfunction(fn) and not mname.startswith("_") else None
+            own = inspect.isfunction(fn) and getattr(fn, "__module__", None) == cls.__module__
+            stub = _stub(mname, fn, "    ") if own and not mname.startswith("_") else None
             if stub is not None:
                 out.append(Prompt(f"stdlib-{name}.{cname}.{mname}",
                                   HUMANEVAL_TEMPLATE.format(prompt=f"class {cname}:\n{stub}"), "stdlib-methods"))
