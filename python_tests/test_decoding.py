@@ -348,3 +348,16 @@ def test_vh_bad_input(setup):
         SpeculativeDecoder(target, drafter, "chain", early_exit=0.0)
     with pytest.raises(ValueError, match="estimator"):
         SpeculativeDecoder(target, drafter, "chain", budget="auto", estimator="oracle")
+
+
+def test_auto_budget_records_each_chosen_tree_once(setup):
+    """budget="auto" keeps the depths of the trees it verified, one entry per round (the draft
+    depth of later rounds is read off them)."""
+    from dartree_ext.decoding.cost import CostModel
+    target, drafter, prompts, refs = setup
+    oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    dec = SpeculativeDecoder(target, oracle, "ddtree", budget="auto", K=8, max_budget=16,
+                             cost_model=CostModel.from_curve({0: 10.0, 64: 10.5}))
+    out = check_greedy(dec, prompts[:1], refs[:1], new=8)
+    chosen = sum(1 for n in out.stats.tree_nodes if n > 0)
+    assert chosen > 0 and len(dec._recent_depths) == min(chosen, 16)

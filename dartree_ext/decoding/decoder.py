@@ -637,8 +637,7 @@ class SpeculativeDecoder:
                 self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
                 self._skip = self._backoff
             else:
-                self._backoff = 0
-                self._recent_depths = (self._recent_depths + [int(tree.depths.max())])[-RECENT_ROUNDS:]
+                self._backoff = 0  # _retire records the verified tree's depth
         run.tick("tree")
         return tree, chosen
 
