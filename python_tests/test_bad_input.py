@@ -151,7 +151,7 @@ def test_sampling_bad_arguments(kwargs, message):
 # selection ops ---------------------------------------------------------------------------------
 
 def test_select_top_w_negative_width(device):
-    with pytest.raises(ValueError, match="width must be >= 0"):
+    with pytest.raises(ValueError, match="width must be >= 1"):
         ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
                          torch.tensor([2], dtype=torch.int32, device=device), -1)
 

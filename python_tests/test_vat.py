@@ -491,7 +491,7 @@ def test_bad_dtypes(device):
 def test_bad_options(device):
     draft, target, tokens, vh, valid = _good(device)
     for t in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="temperature must be finite and > 0 for rule='sample'"):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0, got"):
             vat.vat_loss(draft, target, tokens, vh, valid, rule="sample", temperature=t)
     for t in (0.0, -1.0, float("nan")):  # the greedy rule does not use it, but a wrong value is still an error
         with pytest.raises(ValueError, match="temperature"):
