@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import zlib
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 import dartree_ext
 from dartree_ext import ops
 
-from emulated import EmulatedOps
+from emulated import SHUFFLED, EmulatedOps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,26 @@ def make_backend(name: str) -> Backend:
     return Backend("cuda", torch.device("cuda"), ops)
 
 
+# The emulator's shuffled schedule (thread order between barriers, block order) is seeded per test
+# from this run's seed and the test's id: a different schedule every run, and a failing one
+# reproduced by DARTREE_EMU_SEED=<the seed in the header> pytest <the test>.
+EMU_SEED = int(os.environ.get("DARTREE_EMU_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
+def pytest_report_header(config):
+    return f"CUDA emulator schedule seed: {EMU_SEED} (DARTREE_EMU_SEED={EMU_SEED} reproduces it)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if exitstatus not in (0, 5):  # failures: say which emulator schedule this run used
+        terminalreporter.write_line(f"CUDA emulator schedule seed: {EMU_SEED} (DARTREE_EMU_SEED={EMU_SEED} "
+                                    "reproduces it)")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> Backend:
-    return make_backend(request.param)
+    chosen = make_backend(request.param)
+    if request.param == "emu":
+        test_seed = zlib.crc32(f"{EMU_SEED}:{request.node.nodeid}".encode())
+        chosen.ops.set_schedule(SHUFFLED, test_seed)
+    return chosen

@@ -30,6 +30,7 @@ _SIGNATURES = {
     "emu_warp_primitives": [_P, _I, _P, _P, _P, _P],
     "emu_divergent_barrier": [_P],
     "emu_exit_then_barrier": [_P],
+    "emu_block_order": [_I, _P, _P],
     "emu_exit_then_shuffle": [_P],
     "emu_launch_shape": [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                          ctypes.c_int64, _P],

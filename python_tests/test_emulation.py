@@ -103,3 +103,17 @@ def test_launches_past_the_real_limits_fail(emu, shape, match):
         emu.call("emu_launch_shape", *shape, _ptr(out))
     emu.call("emu_launch_shape", 2, 3, 1, 32, 1, 1, 48 * 1024, _ptr(out))  # at the limits: runs
     assert int(out) == 1
+
+
+def test_block_order_is_shuffled_under_the_shuffled_schedule(emu):
+    """CUDA promises no order between blocks: the shuffled schedule runs them in a seeded random
+    order (every block once), forward in index order."""
+    def order(schedule, seed):
+        emu.set_schedule(schedule, seed)
+        out, count = torch.full((64,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        emu.call("emu_block_order", 64, _ptr(out), _ptr(count))
+        return out.tolist()
+    assert order(FORWARD, 0) == list(range(64))
+    shuffled = order(SHUFFLED, 1)
+    assert sorted(shuffled) == list(range(64)) and shuffled != list(range(64))
+    assert order(SHUFFLED, 1) == shuffled and order(SHUFFLED, 2) != shuffled  # seeded

@@ -84,6 +84,11 @@ __global__ void exit_then_shuffle_kernel(int32_t* out) {
   out[threadIdx.x] = __shfl_xor_sync(dartree::kernels::kFullWarpMask, static_cast<int>(threadIdx.x), 1);
 }
 
+// Each block appends its index to `order` (one thread per block): the order blocks ran in.
+__global__ void block_order_kernel(int32_t* order, int32_t* count) {
+  if (threadIdx.x == 0) order[atomicAdd(count, 1)] = static_cast<int32_t>(blockIdx.x);
+}
+
 // Writes 1 per thread; for launches of any shape.
 __global__ void touch_kernel(int32_t* out) {
   DARTREE_DYNAMIC_SHARED(int32_t, s);
@@ -121,6 +126,10 @@ int emu_warp_primitives(const int32_t* values, int threads, int32_t* warp_sums, 
     DARTREE_LAUNCH(warp_primitives_kernel, dim3(1), dim3(threads), 0, nullptr, values, warp_sums, ballots,
                    atomic_total, atomic_min);
   });
+}
+
+int emu_block_order(int blocks, int32_t* order, int32_t* count) {
+  return guarded([&] { DARTREE_LAUNCH(block_order_kernel, dim3(blocks), dim3(32), 0, nullptr, order, count); });
 }
 
 int emu_exit_then_barrier(int32_t* out) {

@@ -1,7 +1,8 @@
 // Test-only CUDA emulation: runs the device code of csrc/kernels/*.cuh on the CPU.
 //
 // Every CUDA thread of a block is a ucontext fiber. Fibers run cooperatively (in thread-index
-// order, its reverse, or shuffled at every sweep: emu_set_schedule), each until it reaches a barrier (__syncthreads, or a warp collective), so a kernel that
+// order, its reverse, or shuffled at every sweep, blocks shuffled too: emu_set_schedule), each
+// until it reaches a barrier (__syncthreads, or a warp collective), so a kernel that
 // forgets a barrier reads memory its peers have not written yet and computes a wrong result
 // instead of passing by luck. Blocks run one after another. Shared memory is poisoned (0xFF
 // bytes: -1 for integers, NaN for floats) at the start of every block, so reading it before
@@ -248,12 +249,19 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
   rt.static_shared.clear();
   rt.static_shared_bytes = 0;
   rt.error.clear();
-  for (unsigned z = 0; z < grid.z && rt.error.empty(); ++z)
-    for (unsigned y = 0; y < grid.y && rt.error.empty(); ++y)
-      for (unsigned x = 0; x < grid.x && rt.error.empty(); ++x) {
-        rt.block_idx = dim3(x, y, z);
-        run_block(rt);
-      }
+  // blocks run one after another, in index order, or in a shuffled order under the shuffled
+  // schedule (CUDA promises no order between blocks)
+  std::vector<dim3> blocks;
+  blocks.reserve(static_cast<size_t>(grid.x) * grid.y * grid.z);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) blocks.emplace_back(x, y, z);
+  if (rt.schedule == Schedule::kShuffled) std::shuffle(blocks.begin(), blocks.end(), rt.rng);
+  for (const dim3& b : blocks) {
+    if (!rt.error.empty()) break;
+    rt.block_idx = b;
+    run_block(rt);
+  }
   rt.current = nullptr;
   rt.body = nullptr;
   if (!rt.error.empty()) throw std::runtime_error("emulated kernel failed: " + rt.error);
