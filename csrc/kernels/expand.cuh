@@ -27,8 +27,6 @@ namespace kernels {
 
 constexpr int kRowsPerChunk = 16;       // activation rows staged in shared memory at a time (at most)
 constexpr int kStageFloats = 8192;      // 32 KiB of staged activations
-constexpr int kHiddenRowsPerWarp = 1;   // rows of w_s a warp keeps
-constexpr int kUpdateColsPerWarp = 1;   // state elements (x 3 gate rows of w_hh) a warp keeps
 
 DARTREE_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -59,9 +57,34 @@ DARTREE_DEVICE void stage_activations(const float* x, int64_t rows, int cols, in
   }
 }
 
-// grid (ceil(E / (warps x 4)), ceil(R / rows_per_block)), R = B x P: hidden[r, e] = SiLU(z[b(r), e]
-// + sum_g w_s[e, g] states[r, g]). Each warp reads its 4 rows of w_s once per block and keeps
-// per-lane partial sums for every staged parent row; one warp reduction per output.
+// This lane's share (columns lane, lane + 32, ...) of the dot products of kRows weight rows
+// with the n activation rows staged in s_x: acc[r][i] for r < n. A null row (past the matrix)
+// contributes 0. The caller reduces over the warp.
+template <int kRows, typename Elem>
+DARTREE_DEVICE void lane_partial_dots(const Elem* const (&w_rows)[kRows], const float* s_x, int n, int cols,
+                                      float (&acc)[kRowsPerChunk][kRows]) {
+DARTREE_UNROLL
+  for (int r = 0; r < kRowsPerChunk; ++r)
+DARTREE_UNROLL
+    for (int i = 0; i < kRows; ++i) acc[r][i] = 0.0f;
+  for (int c = threadIdx.x % warpSize; c < cols; c += warpSize) {
+    float w[kRows];
+DARTREE_UNROLL
+    for (int i = 0; i < kRows; ++i) w[i] = w_rows[i] != nullptr ? to_float(w_rows[i][c]) : 0.0f;
+DARTREE_UNROLL
+    for (int r = 0; r < kRowsPerChunk; ++r) {
+      if (r < n) {
+        const float x = s_x[r * cols + c];
+DARTREE_UNROLL
+        for (int i = 0; i < kRows; ++i) acc[r][i] += w[i] * x;
+      }
+    }
+  }
+}
+
+// grid (ceil(E / warps), ceil(R / rows_per_block)), R = B x P: hidden[r, e] = SiLU(z[b(r), e]
+// + sum_g w_s[e, g] states[r, g]). Each warp reads its row of w_s once per staged chunk of
+// parents and keeps per-lane partial sums for every staged row; one warp reduction per output.
 template <typename Elem>
 __global__ void expand_hidden_kernel(HeadParams<Elem> head, ExpandInputs in, float* hidden, int rows_per_block) {
   DARTREE_DYNAMIC_SHARED(float, s_x);
@@ -71,44 +94,24 @@ __global__ void expand_hidden_kernel(HeadParams<Elem> head, ExpandInputs in, flo
   const int64_t first = static_cast<int64_t>(blockIdx.y) * rows_per_block;
   const int64_t last = first + rows_per_block < rows ? first + rows_per_block : rows;
   const int chunk = stage_rows(g);
-  const int e0 = (blockIdx.x * warps + warp) * kHiddenRowsPerWarp;
+  const int e0 = blockIdx.x * warps + warp;  // this warp's row of w_s
+  const Elem* const w_row[1] = {e0 < e ? head.w_s + static_cast<int64_t>(e0) * g : nullptr};
   for (int64_t row0 = first; row0 < last; row0 += chunk) {
     const int n = static_cast<int>(last - row0 < chunk ? last - row0 : chunk);
     __syncthreads();
     stage_activations(in.parent_states, rows, g, row0, n, s_x);
     __syncthreads();
-    float acc[kRowsPerChunk][kHiddenRowsPerWarp];
-DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r)
-DARTREE_UNROLL
-      for (int i = 0; i < kHiddenRowsPerWarp; ++i) acc[r][i] = 0.0f;
-    for (int c = lane; c < g; c += warpSize) {
-      float w[kHiddenRowsPerWarp];
-DARTREE_UNROLL
-      for (int i = 0; i < kHiddenRowsPerWarp; ++i)
-        w[i] = e0 + i < e ? to_float(head.w_s[static_cast<int64_t>(e0 + i) * g + c]) : 0.0f;
-DARTREE_UNROLL
-      for (int r = 0; r < kRowsPerChunk; ++r) {
-        if (r < n) {
-          const float x = s_x[r * g + c];
-DARTREE_UNROLL
-          for (int i = 0; i < kHiddenRowsPerWarp; ++i) acc[r][i] += w[i] * x;
-        }
-      }
-    }
+    float acc[kRowsPerChunk][1];
+    lane_partial_dots(w_row, s_x, n, g, acc);
 DARTREE_UNROLL
     for (int r = 0; r < kRowsPerChunk; ++r) {
       if (r >= n) break;  // uniform per warp
       const int64_t row = row0 + r;
-      const int b = static_cast<int>(row / in.p_max);
-      const Elem* z_row = static_cast<const Elem*>(in.z) + b * in.z_stride;
-DARTREE_UNROLL
-      for (int i = 0; i < kHiddenRowsPerWarp; ++i) {
-        const float v = warp_sum(acc[r][i]);
-        if (lane == 0 && e0 + i < e) {
-          const float a = v + to_float(z_row[e0 + i]);
-          hidden[row * e + e0 + i] = a * sigmoid(a);  // SiLU
-        }
+      const float v = warp_sum(acc[r][0]);
+      if (lane == 0 && e0 < e) {
+        const Elem* z_row = static_cast<const Elem*>(in.z) + (row / in.p_max) * in.z_stride;
+        const float a = v + to_float(z_row[e0]);
+        hidden[row * e + e0] = a * sigmoid(a);  // SiLU
       }
     }
   }
@@ -274,11 +277,11 @@ __global__ void expand_select_kernel(HeadParams<Elem> head, ExpandInputs in, flo
   }
 }
 
-// grid (ceil(G / (warps x 2)), ceil(B x W / rows_per_block)): for child r = b * W + w, gh = w_hh h +
+// grid (ceil(G / warps), ceil(B x W / rows_per_block)): for child r = b * W + w, gh = w_hh h +
 // b_hh (h = child_h[r], its parent's state), r = s(gi_r + gh_r), u = s(gi_z + gh_z),
 // n = tanh(gi_n + r gh_n), h' = (1 - u) n + u h, where gi = gru_table[token] (token embedding x
-// W_ih^T + b_ih, precomputed). Each warp reads its rows of w_hh (3 per state element) once per
-// block; padding children get a zero state.
+// W_ih^T + b_ih, precomputed). Each warp reads the 3 rows of w_hh of one state element once per
+// staged chunk of children; padding children get a zero state.
 template <typename Elem>
 __global__ void expand_update_kernel(HeadParams<Elem> head, ExpandInputs in, const float* child_h, ExpandOutputs out,
                                      int rows_per_block) {
@@ -289,72 +292,44 @@ __global__ void expand_update_kernel(HeadParams<Elem> head, ExpandInputs in, con
   const int64_t first = static_cast<int64_t>(blockIdx.y) * rows_per_block;
   const int64_t last = first + rows_per_block < rows ? first + rows_per_block : rows;
   const int chunk = stage_rows(g);
-  const int j0 = (blockIdx.x * warps + warp) * kUpdateColsPerWarp;
-  constexpr int kGateRows = 3 * kUpdateColsPerWarp;
+  const int j = blockIdx.x * warps + warp;  // this warp's state element: rows j, G + j, 2G + j of w_hh
+  const Elem* const w_rows[3] = {j < g ? head.w_hh + static_cast<int64_t>(j) * g : nullptr,
+                                 j < g ? head.w_hh + static_cast<int64_t>(g + j) * g : nullptr,
+                                 j < g ? head.w_hh + static_cast<int64_t>(2 * g + j) * g : nullptr};
   for (int64_t row0 = first; row0 < last; row0 += chunk) {
     const int n = static_cast<int>(last - row0 < chunk ? last - row0 : chunk);
     __syncthreads();
     stage_activations(child_h, rows, g, row0, n, s_x);
     __syncthreads();
-    float acc[kRowsPerChunk][kGateRows];
-DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r)
-DARTREE_UNROLL
-      for (int i = 0; i < kGateRows; ++i) acc[r][i] = 0.0f;
-    for (int c = lane; c < g; c += warpSize) {
-      float w[kGateRows];  // gate q of element j0 + i: row q * G + j0 + i of w_hh
-DARTREE_UNROLL
-      for (int i = 0; i < kGateRows; ++i) {
-        const int j = j0 + i % kUpdateColsPerWarp, q = i / kUpdateColsPerWarp;
-        w[i] = j < g ? to_float(head.w_hh[(static_cast<int64_t>(q) * g + j) * g + c]) : 0.0f;
-      }
-DARTREE_UNROLL
-      for (int r = 0; r < kRowsPerChunk; ++r) {
-        if (r < n) {
-          const float x = s_x[r * g + c];
-DARTREE_UNROLL
-          for (int i = 0; i < kGateRows; ++i) acc[r][i] += w[i] * x;
-        }
-      }
-    }
+    float acc[kRowsPerChunk][3];
+    lane_partial_dots(w_rows, s_x, n, g, acc);
 DARTREE_UNROLL
     for (int r = 0; r < kRowsPerChunk; ++r) {
       if (r >= n) break;  // uniform per warp
       const int64_t row = row0 + r;
       const int b = static_cast<int>(row / in.width), w = static_cast<int>(row % in.width);
-      const int64_t slot = static_cast<int64_t>(b) * out.stride + w;
+      float gh_r = warp_sum(acc[r][0]), gh_z = warp_sum(acc[r][1]), gh_n = warp_sum(acc[r][2]);
+      if (lane != 0 || j >= g) continue;
       const bool child = w < out.num_children[b];  // the select kernel's count (parent_idx can be -1: the root)
-      const int64_t token = out.tokens[slot];
+      const int64_t token = out.tokens[static_cast<int64_t>(b) * out.stride + w];
       // a -inf child with an out-of-range token (every candidate was out of range) reads no table row
       const bool in_vocab = child && token >= 0 && token < head.v;
       const Elem* gi = head.gru_table + (in_vocab ? token : 0) * 3 * g;
-      float gh[kGateRows];
-DARTREE_UNROLL
-      for (int i = 0; i < kGateRows; ++i) gh[i] = warp_sum(acc[r][i]);
-      if (lane < kUpdateColsPerWarp) {
-        const int j = j0 + lane;
-        float gh_r = gh[0], gh_z = gh[kUpdateColsPerWarp], gh_n = gh[2 * kUpdateColsPerWarp];
-DARTREE_UNROLL
-        for (int i = 1; i < kUpdateColsPerWarp; ++i)
-          if (lane == i) gh_r = gh[i], gh_z = gh[kUpdateColsPerWarp + i], gh_n = gh[2 * kUpdateColsPerWarp + i];
-        if (j < g) {
-          float state = 0.0f;
-          if (child) {
-            if (head.b_hh != nullptr) {
-              gh_r += to_float(head.b_hh[j]);
-              gh_z += to_float(head.b_hh[g + j]);
-              gh_n += to_float(head.b_hh[2 * g + j]);
-            }
-            const float gi_r = in_vocab ? to_float(gi[j]) : 0.0f, gi_z = in_vocab ? to_float(gi[g + j]) : 0.0f;
-            const float gi_n = in_vocab ? to_float(gi[2 * g + j]) : 0.0f;
-            const float rr = sigmoid(gi_r + gh_r);
-            const float u = sigmoid(gi_z + gh_z);
-            const float nn = tanhf(gi_n + rr * gh_n);
-            state = (1.0f - u) * nn + u * s_x[r * g + j];
-          }
-          out.child_states[(static_cast<int64_t>(b) * in.width + w) * g + j] = state;
+      float state = 0.0f;
+      if (child) {
+        if (head.b_hh != nullptr) {
+          gh_r += to_float(head.b_hh[j]);
+          gh_z += to_float(head.b_hh[g + j]);
+          gh_n += to_float(head.b_hh[2 * g + j]);
         }
+        const float gi_r = in_vocab ? to_float(gi[j]) : 0.0f, gi_z = in_vocab ? to_float(gi[g + j]) : 0.0f;
+        const float gi_n = in_vocab ? to_float(gi[2 * g + j]) : 0.0f;
+        const float rr = sigmoid(gi_r + gh_r);
+        const float u = sigmoid(gi_z + gh_z);
+        const float nn = tanhf(gi_n + rr * gh_n);
+        state = (1.0f - u) * nn + u * s_x[r * g + j];
       }
+      out.child_states[(static_cast<int64_t>(b) * in.width + w) * g + j] = state;
     }
   }
 }
@@ -378,7 +353,7 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
     // one block per 16 parents x 8 rows of w_s of parallelism
     const int64_t rows = static_cast<int64_t>(in.batch) * in.p_max;
     const int rows_per_block = stage_rows(head.g);
-    const unsigned col_blocks = static_cast<unsigned>((head.e + warps * kHiddenRowsPerWarp - 1) / (warps * kHiddenRowsPerWarp));
+    const unsigned col_blocks = static_cast<unsigned>((head.e + warps - 1) / warps);  // a warp per row of w_s
     auto hidden_kernel = expand_hidden_kernel<Elem>;
     DARTREE_LAUNCH(hidden_kernel, dim3(col_blocks, static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)),
                    dim3(kExpandThreads), staged, stream, head, in, hidden, rows_per_block);
@@ -392,7 +367,7 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
     if (update) {
       const int64_t rows = static_cast<int64_t>(in.batch) * in.width;
       const int rows_per_block = stage_rows(head.g);
-      const unsigned col_blocks = static_cast<unsigned>((head.g + warps * kUpdateColsPerWarp - 1) / (warps * kUpdateColsPerWarp));
+      const unsigned col_blocks = static_cast<unsigned>((head.g + warps - 1) / warps);  // a warp per state element
       auto update_kernel = expand_update_kernel<Elem>;
       DARTREE_LAUNCH(update_kernel, dim3(col_blocks, static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)),
                      dim3(kExpandThreads), staged, stream, head, in, child_h, out, rows_per_block);
