@@ -107,7 +107,7 @@ inline void check_select_top_w_inputs(const at::Tensor& parent_scores, const at:
   check_shape(op, "num_parents", num_parents, {batch});
   TORCH_CHECK_VALUE(child_logprobs.size(2) >= 1, op, ": child_logprobs needs K >= 1 candidates (dim 2)");
   TORCH_CHECK_VALUE(p_max * child_logprobs.size(2) < (int64_t{1} << 31), op, ": P * K must be below 2^31");
-  TORCH_CHECK_VALUE(width >= 0, op, ": width must be >= 0, got ", width);
+  TORCH_CHECK_VALUE(width >= 1, op, ": width must be >= 1, got ", width);
 }
 
 inline void check_select_top_b_inputs(const at::Tensor& parents, const at::Tensor& scores,
@@ -153,8 +153,11 @@ inline void check_compact_kv_inputs(const at::Tensor& cache, const char* name, c
 inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
                                    const at::Tensor& dst_start, const at::Tensor& lengths) {
   const char* op = "compact_kv_";
-  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(2) == values.size(2), op, ": keys and values must be ",
-              "[B, H, S, Dh] with the same S, got ", keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4, op, ": keys and values must be [B, H, S, Dh], got ", keys.sizes(),
+              " and ", values.sizes());
+  TORCH_CHECK_VALUE(keys.size(0) == values.size(0) && keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
+                    op, ": keys ", keys.sizes(), " and values ", values.sizes(),
+                    " must agree on [B, H, S] (only the head dim may differ)");
   check_tensor(op, "src_positions", src_positions, at::kLong, 2);
   check_tensor(op, "dst_start", dst_start, at::kLong, 1);
   check_tensor(op, "lengths", lengths, at::kInt, 1);

@@ -128,8 +128,6 @@ def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_
     best first; ties go to the lower flat index ``p * K + k``; NaN scores rank as -inf. Where a
     request has fewer than W children, the rest is padded with -1, -1 and -inf. ``width >= 1``.
     """
-    if int(width) < 1:
-        raise ValueError(f"select_top_w: width must be >= 1, got {width}")
     if validate and parent_scores.device.type != "cpu":
         bad = (num_parents < 0) | (num_parents > parent_scores.shape[1])
         if bool(bad.any()):
@@ -330,9 +328,6 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
     writing, so it is correct for any order, and skips positions outside the cache. ``keys`` and
     ``values`` must agree on batch, heads and sequence length (their head dims may differ).
     """
-    if keys.dim() == 4 and values.dim() == 4 and keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"compact_kv_: keys {list(keys.shape)} and values {list(values.shape)} must agree on "
-                         "[B, H, S] (only the head dim may differ)")
     _ops.compact_kv_.default(keys, values, src_positions, dst_start, lengths)
 
 

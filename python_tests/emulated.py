@@ -238,10 +238,10 @@ class EmulatedOps:
         tokens = torch.empty(batch, width, dtype=torch.int64)
         states = torch.empty(batch, width, g, dtype=torch.float32)
         num_children = torch.empty(batch, dtype=torch.int32)
-        cand_scores = torch.empty(batch * (p_max * k + p_max * w_s.shape[0] + width * g), dtype=torch.float32)
+        workspace = torch.empty(_expand_workspace_floats(batch, p_max, k, width, w_s.shape[0], g))
         outputs = ExpandOutputs(parent_idx.data_ptr(), child_k.data_ptr(), scores.data_ptr(), tokens.data_ptr(), None,
                                 width, 0, 0, states.data_ptr(), num_children.data_ptr())
-        self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), _ptr(cand_scores),
+        self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), _ptr(workspace),
                   ctypes.addressof(outputs))
         return parent_idx, child_k, scores, tokens, states
 
@@ -258,13 +258,13 @@ class EmulatedOps:
         states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
         counts = [torch.ones(batch, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)]
         root_scores = torch.zeros(batch)
-        cand_scores = torch.empty(batch * max_width * (k + w_s.shape[0] + g))  # expand_workspace_floats
+        workspace = torch.empty(_expand_workspace_floats(batch, max_width, k, max_width, w_s.shape[0], g))
         tokens = torch.empty(batch, total, dtype=torch.int64)
         parents = torch.empty(batch, total, dtype=torch.int32)
         depths = torch.empty(batch, total, dtype=torch.int32)
         scores = torch.empty(batch, total)
         args = SupertreeArgs(z.data_ptr(), cand_ids.data_ptr(), cand_base.data_ptr(), width_array, batch, depth, k,
-                             depth_bonus, cand_scores.data_ptr(), (ctypes.c_void_p * 2)(*[s.data_ptr() for s in states]),
+                             depth_bonus, workspace.data_ptr(), (ctypes.c_void_p * 2)(*[s.data_ptr() for s in states]),
                              root_scores.data_ptr(), (ctypes.c_void_p * 2)(*[c.data_ptr() for c in counts]),
                              tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), scores.data_ptr())
         self.call("emu_build_supertree", ctypes.addressof(head), ctypes.addressof(args))
@@ -316,6 +316,11 @@ class SupertreeArgs(ctypes.Structure):
                 ("batch", _I), ("depth", _I), ("k", _I), ("depth_bonus", ctypes.c_float), ("workspace", _P),
                 ("states", _P * 2), ("root_scores", _P), ("counts", _P * 2), ("tokens", _P), ("parents", _P),
                 ("depths", _P), ("scores", _P)]
+
+
+def _expand_workspace_floats(batch, p_max, k, width, e, g) -> int:
+    """csrc/kernels/launchers.h's expand_workspace_floats: candidate scores, hidden vectors, child states."""
+    return batch * (p_max * k + p_max * e + width * g)
 
 
 def _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> ExpandHead:

@@ -431,15 +431,14 @@ class SpeculativeDecoder:
         if accept_prob is None:
             scores = scores.cpu()
             p = torch.where(scores > float("-inf"), self.calibrator.predict(scores), 0.0)
-        else:
+        else:  # on the tree's device, then one transfer
             depth = tree.depths[:, 1:].long().clamp(min=0)
             best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
             best = best.scatter_reduce(1, depth, scores, "amax")
             rel = torch.where(valid, (scores - best.gather(1, depth)).exp(), 0.0)
             at_depth = torch.cat([torch.ones_like(accept_prob[:, :1]), accept_prob.float()], 1)
             p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
-            p = torch.where(valid, p, 0.0).cpu()
-            scores = scores.cpu()
+            p, scores = torch.where(valid, p, 0.0).cpu(), scores.cpu()
         order = scores.argsort(dim=1, descending=True, stable=True)
         return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
 
