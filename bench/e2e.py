@@ -6,7 +6,7 @@ the round-time split, mean verified tree size, peak memory where CUDA reports it
 output equals ``ar``'s (at T = 0 it must: the script exits 1 otherwise).
 
     python bench/e2e.py                                   # tiny built-in target, random drafter
-    python bench/e2e.py --drafter lookup                  # a drafter that knows ar's output (high tau)
+    python bench/e2e.py --drafter oracle                  # a drafter that knows ar's output (high tau)
     python bench/e2e.py --target smollm2 --drafter DIR --sets gsm8k,humaneval,mtbench \\
         --num-prompts 10 --temperatures 0,1 --json bench/results/e2e.json
     python bench/e2e.py ... --sweep width=4,8,12,16 --methods dartree   # tau vs W (also budget=, beta=)
@@ -48,6 +48,7 @@ class Params:
     depth_bonus: float = -0.2
     early_exit: float | None = None     # the verification head's threshold p (None: no early exit)
     estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
+    lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -74,7 +75,7 @@ class Runner:
                  stops: list[int], device: str, seed: int = 0) -> None:
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
                                       depth_bonus=params.depth_bonus, early_exit=params.early_exit,
-                                      estimator=params.estimator)
+                                      estimator=params.estimator, lookup=params.lookup if method != "ar" else None)
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
         self.seconds = self.tokens = self.rounds = self.accepted = 0
@@ -182,7 +183,7 @@ def first_divergence(outputs: list, reference: list) -> list:
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
-    """``random`` / ``lookup`` / ``DIR`` -> one unlabelled drafter; ``a=DIR1,b=DIR2`` -> several."""
+    """``random`` / ``oracle`` / ``DIR`` -> one unlabelled drafter; ``a=DIR1,b=DIR2`` -> several."""
     if "=" not in spec:
         return [("", spec)]
     pairs = []
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tiny", help="'tiny', 'smollm2' or a local HF model directory")
     parser.add_argument("--drafter", default="random",
-                        help="a drafter directory, 'random', 'lookup', or label=DIR,label=DIR,... to compare drafters")
-    parser.add_argument("--lookup-miss", type=float, default=0.3)
+                        help="a drafter directory, 'random', 'oracle' (knows ar's outputs), or label=DIR,label=DIR,... to compare drafters")
+    parser.add_argument("--oracle-miss", type=float, default=0.3)
     parser.add_argument("--sets", default="default", help="comma list: default, gsm8k, humaneval, mtbench, or files")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     add_decoding_args(parser, budget_default=64)
     parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget, depth_bonus, early_exit "
-                        "(none = off) or estimator (per-depth widths in a sweep: width=12,32/12)")
+                        "(none = off), lookup or estimator (per-depth widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf", action="store_true", help="also time HF generate on the same prompts (row "
@@ -267,22 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
     drafters = []
     for label, spec in parse_drafters(args.drafter):
-        path = None if spec in ("random", "lookup") else spec
+        path = None if spec in ("random", "oracle") else spec
         if args.draft_vocab in ("on", "both"):
             drafters.append((label, load_drafter(path, target)))
         if args.draft_vocab in ("off", "both"):
             drafters.append((f"{label}fullvocab" if args.draft_vocab == "both" else label,
                              load_drafter(path, target, draft_vocab=False)))
-    lookup = args.drafter == "lookup"
+    oracle = args.drafter == "oracle"
     temps = [float(t) for t in args.temperatures.split(",")]
-    base_params = Params(args.budget, args.width, args.K, args.depth_bonus, args.early_exit, args.estimator)
+    base_params = Params(args.budget, args.width, args.K, args.depth_bonus, args.early_exit, args.estimator,
+                         args.lookup)
     variants = [base_params]
     if args.sweep:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
         kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else \
             budget_arg if name == "budget" else early_exit_arg if name == "early_exit" else \
-            type(getattr(base_params, name))
+            int if name == "lookup" else type(getattr(base_params, name))
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "
@@ -296,22 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*left_pad(groups[0]), max_new_tokens=4)
         for temperature in temps:
             # every method on a group before any on the next (interleaved against the machine's drift);
-            # the lookup drafter needs ar's outputs first
+            # the oracle drafter needs ar's outputs first
             ar_runner = Runner(target, None, "ar", base_params, temperature, args.max_new_tokens, stops, args.device)
-            if lookup:
+            if oracle:
                 for g, group in enumerate(groups):
                     ar_runner.step(g, group)
             runners, hf_done = [], None
             for label, drafter in drafters:
-                if lookup:
+                if oracle:
                     refs = [torch.tensor(p + o) for g, outs in zip(groups, ar_runner.outputs) for p, o in zip(g, outs)]
-                    drafter = LookupDrafter(drafter, refs, miss=args.lookup_miss)
+                    drafter = LookupDrafter(drafter, refs, miss=args.oracle_miss)
                 for params in variants:
                     for method in methods:
+                        if method == "lookup" and params.lookup == 0:
+                            continue  # method lookup is the continuation alone: lookup=0 leaves nothing
                         runners.append((label, Runner(target, drafter, method, params, temperature, args.max_new_tokens,
                                                       stops, args.device)))
             for g, group in enumerate(groups):
-                if not lookup:
+                if not oracle:
                     ar_runner.step(g, group)
                 for _, runner in runners:
                     runner.step(g, group)

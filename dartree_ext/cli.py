@@ -127,6 +127,10 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
                              "default none)")
     parser.add_argument("--estimator", default="score", choices=["score", "vh"],
                         help="budget auto: node acceptance from calibrated tree scores or the verification head")
+    parser.add_argument("--lookup", type=int, default=None, metavar="L",
+                        help="add up to L tokens copied from the request's own context (what followed the latest "
+                             "earlier occurrence of its last tokens) to every round's tree; 0: off. Default: "
+                             "10 for method lookup and with --budget auto, else 0")
 
 
 def generate_main(argv: list[str] | None = None) -> int:
@@ -182,7 +186,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if budget == "auto" and args.method not in AUTO_METHODS:
         budget = 64
     drafter_path = args.drafter or shipped_drafter(loaded.name)
-    drafter = None if args.method == "ar" else load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab)
+    drafter = None if args.method in ("ar", "lookup") else load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
     texts = [args.prompt]
     if args.prompt_file:
@@ -196,7 +200,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     def decoder(method):
         return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
                                   K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
-                                  estimator=args.estimator)
+                                  estimator=args.estimator, lookup=args.lookup if method != "ar" else None)
 
     def run(method):
         dec = decoder(method)

@@ -66,7 +66,7 @@ def _e2e():
 def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
     e2e = _e2e()
     result = tmp_path / "r.json"
-    code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--drafter", "lookup",
+    code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--drafter", "oracle",
                      "--methods", "chain,dartree", "--json", str(result)])
     assert code == 0
     rows = json.load(open(result))
@@ -136,7 +136,7 @@ def test_per_depth_widths_from_the_command_line(tmp_path, capsys):
     assert generate_main(["--target", "tiny", "--max-new-tokens", "4", "--budget", "8", "--width", "6,2"]) == 0
     e2e = _e2e()
     result = tmp_path / "r.json"
-    assert e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "8", "--drafter", "lookup",
+    assert e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "8", "--drafter", "oracle",
                      "--methods", "dartree", "--sweep", "width=2,6/2", "--json", str(result)]) == 0
     rows = json.load(open(result))
     assert [r["params"]["width"] for r in rows if r["method"] != "ar"] == [2, [6, 2]]

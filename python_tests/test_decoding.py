@@ -58,7 +58,7 @@ def test_greedy_equals_generate_random_drafter(setup, method):
     assert all(r.new_tokens == NEW for r in out.stats.requests)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("ar", "lookup")])
 def test_greedy_equals_generate_long_accepted_paths(setup, method):
     """An oracle drafter gets long accepted paths, so compaction moves many entries per round."""
     target, drafter, prompts, refs = setup
@@ -150,7 +150,8 @@ def chi2_quantile(df: int, z: float) -> float:
 
 @pytest.mark.parametrize("method,temperature,top_p,budget", [("dartree", 1.0, None, 16), ("ddtree", 0.7, 0.9, 16),
                                                              ("chain", 1.0, None, 16), ("dartree", 1.0, None, "auto"),
-                                                             ("chain", 0.7, 0.9, "auto")])
+                                                             ("chain", 0.7, 0.9, "auto"), ("lookup", 1.0, None, 16),
+                                                             ("lookup", 0.7, 0.9, "auto")])
 def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
     """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary and compare the
     64 sequence frequencies with the target's exact probabilities (:func:`chi2_test`). Deterministic (fixed generator)."""
@@ -184,8 +185,9 @@ def test_sampling_distribution_matches_target(method, temperature, top_p, budget
     assert observed[~support].sum() == 0, "sampled a sequence top-p excludes"
     stat, limit = chi2_test(observed[support], expected[support])
     assert stat < limit, f"chi2 = {stat:.1f}, limit {limit:.1f}"
-    if method != "chain":
-        assert out.stats.tau > 1.2, "the draft trees should be accepted at times, or the test proves little"
+    if method != "chain":  # the context continuation (lookup) is right less often than a tree
+        assert out.stats.tau > (1.1 if method == "lookup" else 1.2), \
+            "the draft trees should be accepted at times, or the test proves little"
 
 
 def test_sampling_test_detects_a_biased_sampler():
@@ -266,7 +268,7 @@ def _with_vh_bias(drafter, prob: float):
     return d
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("ar", "lookup")])
 def test_early_exit_lossless(setup, method):
     """Early exit at the head's predicted first rejection keeps every method exact (the random
     heads' probabilities straddle the thresholds, so the cut lands at varied depths)."""

@@ -74,7 +74,7 @@ def test_save_and_load_round_trip(target, tmp_path):
     assert BlockDrafter.from_pretrained(tmp_path / "d", target).draft_vocab is None
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("ar", "lookup")])
 def test_decoding_with_a_draft_vocab_is_lossless(target, method):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 11, 1)]

@@ -6,6 +6,7 @@ One round, for every unfinished request at once (each with its own tree and acce
 * ``_draft``: the drafter pass from each row's last committed token (the root);
 * ``_tree``: the method's draft tree from it (the ops), cut to the chosen size with
   ``budget="auto"`` or at the verification head's predicted first rejection with ``early_exit``;
+  with ``lookup``, each row's context-lookup continuation grafted in as one more branch;
 * ``_verify``: ``tree_attention_mask`` + positions, one target forward over root + tree, the
   target's token at every node (argmax, or a sample at T > 0), ``verify_tree``;
 * ``_commit``: the accepted path enters the KV cache (``compact_kv_`` on every layer) and its
@@ -36,11 +37,14 @@ from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
+from .lookup import ContextIndex, LookupStats, graft_chains
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
-AUTO_METHODS = ("chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
+METHODS = ("ar", "lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
+AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
+DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
+DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RECENT_ROUNDS = 16
@@ -77,6 +81,8 @@ class DecodingStats:
     tree_nodes: list[int] = dataclasses.field(default_factory=list)   # draft nodes per verified tree
     nodes_per_depth: Counter = dataclasses.field(default_factory=Counter)
     plain_rounds: int = 0                   # budget="auto": rounds verified without a draft (n = 0)
+    lookup_rounds: int = 0                  # rows x rounds that verified a context-lookup continuation
+    lookup_accepted: int = 0                # tokens accepted along those continuations
 
     @property
     def rounds(self) -> int:
@@ -119,6 +125,7 @@ class DecodingStats:
             "time_split": {k: round(v / total, 4) if total else 0.0 for k, v in self.time.items()},
             "accept_histogram": self.accept_histogram(),
             "plain_rounds": self.plain_rounds,
+            "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
         }
 
 
@@ -193,6 +200,10 @@ class _Batch:
     past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
     position: torch.Tensor | None = None    # int64[R]: the root's position
     full_tree: Tree | None = None           # budget="auto": the tree before it was cut
+    # lookup: per row, the continuation grafted this round and the length of the n-gram it matched
+    chains: list[list[int]] | None = None
+    ngrams: list[int] | None = None
+    drafted: list[int] | None = None  # per row, the nodes before the graft (the drafter's)
 
     @property
     def rows(self) -> int:
@@ -204,6 +215,7 @@ class _Batch:
         self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
         self.position = self.length - self.pad
         self.full_tree = None
+        self.chains = self.ngrams = self.drafted = None
 
     def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int) -> None:
         """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``."""
@@ -233,11 +245,13 @@ class _Run:
         target = decoder.target
         self.device = prompts[0].device
         self.dtype = next(target.parameters()).dtype
-        self.drafting = decoder.drafter is not None and decoder.method != "ar"
+        self.drafting = decoder.drafter is not None and decoder.method not in DRAFTERLESS
         self.pad_id = decoder._pad_token_id()
         self.max_new_tokens, self.stop, self.sampling = max_new_tokens, stop, sampling
         self.max_pos = int(getattr(_text_config(target), "max_position_embeddings", 0) or 0) or None
         self.generated: list[list[int]] = [[] for _ in prompts]
+        # lookup: every request's prompt and output so far, indexed by n-gram
+        self.index = [ContextIndex(p.tolist()) for p in prompts] if decoder.lookup else None
         self.stats = DecodingStats(decoder.method, [RequestStats(int(p.numel())) for p in prompts],
                                    {p: 0.0 for p in PHASES})
         self._sync = decoder.sync_timing and self.device.type == "cuda"
@@ -266,6 +280,8 @@ class _Run:
                 done = "context"
             if done:
                 break
+        if self.index is not None:
+            self.index[req].extend(out[rs.new_tokens:])
         rs.new_tokens = len(out)
         return done
 
@@ -307,13 +323,23 @@ class SpeculativeDecoder:
       head instead of the calibrated tree scores: a node at depth d gets ``P_vh(d)`` times its path
       probability relative to the best node at that depth. ``estimator="score"`` (the default)
       is the calibrated score.
+
+    ``lookup=L`` (any method but ``ar``) adds to every round's tree, as one more branch, up to
+    ``L`` tokens copied from the request's own context: what followed the latest earlier
+    occurrence of its last (up to 4) tokens (:mod:`~dartree_ext.decoding.lookup`). The branch
+    shares the nodes the drafter already proposed; rounds the back-off leaves without a draft
+    still verify it. With ``budget="auto"`` it is cut where one more token's expected acceptance
+    (learned online per matched n-gram length and depth) no longer pays for its verification
+    cost. Method ``lookup`` is this branch alone, without a drafter (prompt-lookup decoding).
+    ``lookup=None`` (the default) is :data:`DEFAULT_LOOKUP` for method ``lookup`` and with
+    ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
                  budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
-                 estimator: str = "score") -> None:
+                 estimator: str = "score", lookup: int | None = None) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
         self.auto = isinstance(budget, str)
@@ -339,12 +365,25 @@ class SpeculativeDecoder:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
         if early_exit is not None and not 0.0 < early_exit < 1.0:
             raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
-        if method != "ar":
+        if lookup is None:  # on where the tree is sized by cost (it is then cut by cost too)
+            lookup = DEFAULT_LOOKUP if method == "lookup" or (self.auto and method != "ar") else 0
+        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+            raise ValueError(f"lookup must be an int >= 0 (continuation tokens per round), got {lookup!r}")
+        if method == "ar" and lookup:
+            raise ValueError("method 'ar' is plain decoding: it takes no lookup continuation (use method 'lookup')")
+        if method == "lookup" and not lookup:
+            raise ValueError("method 'lookup' needs lookup >= 1")
+        self.lookup = lookup
+        self._lookup_stats: dict[str, LookupStats] = {}
+        self.lookup_stats = self._lookup_stats_for("greedy")
+        if method in DRAFTERLESS:
+            drafter = None  # not used: no drafter pass, no drafter context
+        else:
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
             drafter.attach(target)  # raises on a target mismatch
         self.early_exit, self.estimator = early_exit, estimator
-        self._vh_used = method != "ar" and (early_exit is not None or (self.auto and estimator == "vh"))
+        self._vh_used = method not in DRAFTERLESS and (early_exit is not None or (self.auto and estimator == "vh"))
         self.target, self.drafter, self.method = target, drafter, method
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
@@ -355,6 +394,7 @@ class SpeculativeDecoder:
         self._skip = self._backoff = 0
         self._overhead_ms = None
         self._recent_depths: list[int] = []
+        self._chosen_expected = 0.0
         self._head = None
         if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
             self._head = drafter.export_head(dtype=drafter.dtype)
@@ -452,6 +492,7 @@ class SpeculativeDecoder:
         if overhead is None:
             overhead = self._overhead_ms or 0.0
         n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead)
+        self._chosen_expected = float(expected[n])
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
         if n < tree.tokens.shape[1] - 1:
@@ -485,6 +526,12 @@ class SpeculativeDecoder:
             self._calibrators[regime] = cal
         return self._calibrators[regime]
 
+    def _lookup_stats_for(self, regime: str) -> LookupStats:
+        """One :class:`LookupStats` per regime ("greedy" or "sample"), kept across calls."""
+        if regime not in self._lookup_stats:
+            self._lookup_stats[regime] = LookupStats()
+        return self._lookup_stats[regime]
+
     def _ensure_cost_model(self) -> None:
         if self.auto and self.cost_model is None:
             self.cost_model = cached_cost_model(
@@ -507,6 +554,7 @@ class SpeculativeDecoder:
         prompts = self._check_inputs(input_ids, attention_mask, max_new_tokens, temperature)
         self._ensure_cost_model()
         self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
+        self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self._skip = self._backoff = 0
         self._recent_depths = []
         run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
@@ -605,7 +653,67 @@ class SpeculativeDecoder:
         return draft
 
     def _tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
-        """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step)."""
+        """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step);
+        with ``lookup``, each row's context continuation grafted in."""
+        self._chosen_expected = 0.0  # choose_tree sets it: E[accepted] of the drafter's chosen nodes
+        if self.method == "lookup":
+            tree, chosen = self.plain_tree(state.root), (0 if self.auto else None)
+        else:
+            tree, chosen = self._drafted_tree(run, state, draft)
+        if self.lookup:
+            tree = self._graft_lookup(run, state, tree, chosen)
+            run.tick("tree")
+        return tree, chosen
+
+    def _graft_lookup(self, run: _Run, state: _Batch, tree: Tree, chosen: int | None) -> Tree:
+        """``tree`` with every row's context continuation grafted in (:func:`graft_chains`); with
+        ``budget="auto"``, the continuations are cut at the step (the same for every row) that
+        maximises expected tokens per ms under the cost model."""
+        chains, ngrams = [], []
+        for row, req in enumerate(state.active.tolist()):
+            room = run.max_new_tokens - len(run.generated[req]) - 1  # the bonus token comes after the chain
+            if run.max_pos is not None:
+                room = min(room, run.max_pos - run.stats.requests[req].prompt_tokens - len(run.generated[req]) - 1)
+            chain, n = run.index[req].propose(min(self.lookup, room))
+            chains.append(chain)
+            ngrams.append(n)
+        grafted, added = graft_chains(tree, chains)
+        if self.auto and any(chains):
+            steps = self._lookup_steps(tree, chains, ngrams, added, chosen, state.cache_len)
+            if steps < max(len(c) for c in chains):
+                chains = [c[:steps] for c in chains]
+                grafted, _ = graft_chains(tree, chains)
+        state.chains, state.ngrams, state.drafted = chains, ngrams, tree.num_nodes.tolist()
+        return grafted
+
+    def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
+                      chosen: int | None, context: int) -> int:
+        """How many continuation tokens to graft (0..longest chain): the step maximising
+        ``(rows + E[accepted]) / round ms``, where a grafted token adds its path's acceptance
+        probability (:class:`LookupStats`) unless the drafter's tree already had it, and the
+        round's cost grows with the widest row."""
+        cost, rows = self.cost_model, len(chains)
+        overhead = cost.overhead_ms if cost.overhead_ms is not None else (self._overhead_ms or 0.0)
+        base_width = tree.tokens.shape[1]
+        fixed = cost.round_ms(self.method, chosen or 0, context, rows) - cost.verify(rows * base_width - 1, context)
+        fixed += overhead
+        num = tree.num_nodes.tolist()
+        probs = [self.lookup_stats.path_probs(n, len(c)) if c else [] for c, n in zip(chains, ngrams)]
+        expected = rows + getattr(self, "_chosen_expected", 0.0)
+        best_steps, best_rate = 0, expected / (fixed + cost.verify(rows * base_width - 1, context))
+        for d in range(1, max(len(c) for c in chains) + 1):
+            for b, c in enumerate(chains):
+                if d <= len(c) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):
+                    expected += probs[b][d - 1]
+            width = max(base_width, max(num[b] + (added[b][min(d, len(added[b])) - 1] if added[b] else 0)
+                                        for b in range(rows)))
+            rate = expected / (fixed + cost.verify(rows * width - 1, context))
+            if rate > best_rate * (1 + 1e-9):
+                best_steps, best_rate = d, rate
+        return best_steps
+
+    def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
+        """The drafter's tree (see :meth:`_tree`)."""
         if run.drafting and draft is None:
             run.tick("tree")
             return self.plain_tree(state.root), 0
@@ -696,10 +804,20 @@ class SpeculativeDecoder:
         if self.method != "ar":
             stats.nodes_per_depth.update(d for row in verdict.depths for d in row if d > 0)
             if self.auto and chosen:
-                deepest = max(d for row in verdict.depths for d in row)
+                drafted = state.drafted or [len(row) for row in verdict.depths]
+                deepest = max(d for row, n in zip(verdict.depths, drafted) for d in row[:n])
                 self._recent_depths = (self._recent_depths + [deepest])[-RECENT_ROUNDS:]
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
+        if state.chains is not None:
+            for row, (chain, n) in enumerate(zip(state.chains, state.ngrams)):
+                if chain:
+                    path, got = paths[row][1:accepted[row] + 1], 0
+                    while got < min(len(chain), len(path)) and chain[got] == path[got]:
+                        got += 1
+                    self.lookup_stats.update(n, len(chain), got)
+                    stats.lookup_rounds += 1
+                    stats.lookup_accepted += got
         keep = []
         for row, req in enumerate(state.active.tolist()):
             rs, a = stats.requests[req], accepted[row]
@@ -718,6 +836,7 @@ class SpeculativeDecoder:
         """Feed the verified draft nodes (accepted or not) to the calibrator."""
         n = tree.tokens.shape[1]
         valid = torch.arange(n, device=tree.scores.device)[None] < tree.num_nodes[:, None]
+        valid &= tree.scores > float("-inf")  # not the grafted lookup nodes: they have no drafter score
         valid[:, 0] = False
         hit = torch.zeros_like(valid)
         path = accept_nodes.long()

@@ -1,0 +1,140 @@
+"""Context lookup: draft continuations copied from the request's own tokens.
+
+A target model often repeats what is already in its context: names and numbers from the prompt,
+code identifiers, and (small models, greedy) whole sentences it has written. When the last
+tokens of a request (its prompt and what has been generated, ending with the round's root) also
+occurred earlier, the tokens that followed that earlier occurrence are a likely continuation
+(prompt-lookup decoding). :class:`ContextIndex` finds it in O(1) per round from an n-gram
+index kept up to date token by token; :func:`graft_chains` merges each row's continuation into
+the round's draft tree as one more branch (sharing the nodes the drafter already proposed), so
+the target verifies both in the same forward pass. Verification is unchanged, so decoding stays
+lossless at any temperature (the walk follows the target's own token at every node).
+
+:class:`LookupStats` learns online how often a continuation is accepted, per length of the
+matched n-gram and depth along the continuation; the decoder keeps a continuation's nodes only
+while each one's expected acceptance pays for its verification cost.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..tree import Tree
+
+MAX_NGRAM = 4  # longest suffix matched; shorter ones are tried when it does not occur
+
+
+class ContextIndex:
+    """One request's tokens and, for every n-gram (n <= ``max_ngram``) that ends before the last
+    token, where it last ended."""
+
+    def __init__(self, tokens: Sequence[int] = (), max_ngram: int = MAX_NGRAM) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending at positions < _indexed are in _last_end
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+        toks, last = self.tokens, len(self.tokens) - 1
+        for end in range(self._indexed, last):  # never the last token: its successor is unknown
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self._last_end[tuple(toks[end - n + 1:end + 1])] = end
+        self._indexed = max(self._indexed, last)
+
+    def propose(self, length: int) -> tuple[list[int], int]:
+        """Up to ``length`` tokens that followed the latest earlier occurrence of the longest
+        suffix (at most ``max_ngram`` tokens) that occurred before, and that suffix's length;
+        ``([], 0)`` when not even the last token occurred before."""
+        toks = self.tokens
+        if length < 1 or len(toks) < 2:
+            return [], 0
+        for n in range(min(self.max_ngram, len(toks) - 1), 0, -1):
+            end = self._last_end.get(tuple(toks[-n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + length], n
+        return [], 0
+
+
+class LookupStats:
+    """P(a continuation's token at depth ``d`` is accepted | the one before it was), per matched
+    n-gram length, learned online from a Beta prior of weight ``prior_weight``."""
+
+    PRIOR = (0.3, 0.55, 0.65, 0.85)  # depth 1, by n-gram length 1, 2, 3, >= 4
+    PRIOR_DEEPER = 0.75               # depths >= 2
+
+    def __init__(self, max_depth: int = 16, max_ngram: int = MAX_NGRAM, prior_weight: float = 4.0) -> None:
+        self.max_ngram, self.max_depth, self.prior_weight = max_ngram, max_depth, float(prior_weight)
+        rows = [self.PRIOR[min(n, len(self.PRIOR)) - 1] for n in range(1, max_ngram + 1)]
+        self.prior = torch.tensor([[r] + [self.PRIOR_DEEPER] * (max_depth - 1) for r in rows], dtype=torch.float64)
+        self.hits = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
+        self.trials = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
+
+    def conditional(self, ngram: int) -> list[float]:
+        """Per depth 1..max_depth: P(accepted | the previous continuation token accepted)."""
+        i, w = min(ngram, self.max_ngram) - 1, self.prior_weight
+        return ((self.hits[i] + w * self.prior[i]) / (self.trials[i] + w)).tolist()
+
+    def path_probs(self, ngram: int, length: int) -> list[float]:
+        """P(the first ``d`` continuation tokens are all accepted), d = 1..length."""
+        out, p = [], 1.0
+        for c in self.conditional(ngram)[:length]:
+            p *= c
+            out.append(p)
+        return out
+
+    def update(self, ngram: int, proposed: int, accepted: int) -> None:
+        """A continuation of ``proposed`` tokens verified, its first ``accepted`` accepted."""
+        if proposed <= 0:
+            return
+        i = min(ngram, self.max_ngram) - 1
+        tried = min(accepted + 1, proposed, self.max_depth)
+        self.trials[i, :tried] += 1
+        self.hits[i, :min(accepted, self.max_depth)] += 1
+
+
+def graft_chains(tree: Tree, chains: Sequence[Sequence[int]]) -> tuple[Tree, list[list[int]]]:
+    """``tree`` with each row's chain (tokens after the root) merged in as a branch: the chain
+    follows existing nodes while their tokens agree and continues as new nodes after the row's
+    last node (parents stay before children). Returns the tree and, per row, the nodes added by
+    the chain's first ``d + 1`` tokens at each step ``d`` (what cutting the chain there would
+    cost). New nodes score ``-inf``: they are not the drafter's."""
+    rows = tree.tokens.shape[0]
+    if len(chains) != rows:
+        raise ValueError(f"need one chain per row: {len(chains)} chains for {rows} rows")
+    if not any(len(c) for c in chains):
+        return tree, [[] for _ in range(rows)]
+    tokens, parents, depths, num = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths, tree.num_nodes))
+    added: list[list[int]] = []
+    for b, chain in enumerate(chains):
+        n = num[b]
+        tok, par, dep = tokens[b][:n], parents[b][:n], depths[b][:n]
+        child = {(par[i], tok[i]): i for i in range(1, n)}
+        cur, steps = 0, []
+        for t in chain:
+            t = int(t)
+            nxt = child.get((cur, t))
+            if nxt is None:
+                nxt = len(tok)
+                tok.append(t)
+                par.append(cur)
+                dep.append(dep[cur] + 1)
+                child[(cur, t)] = nxt
+            cur = nxt
+            steps.append(len(tok) - n)
+        tokens[b], parents[b], depths[b] = tok, par, dep
+        added.append(steps)
+    width = max(max(len(t) for t in tokens), tree.tokens.shape[1])
+    dev = tree.tokens.device
+    scores = torch.full((rows, width), float("-inf"), device=dev)
+    for b in range(rows):
+        scores[b, :num[b]] = tree.scores[b, :num[b]]
+    new = Tree(tokens=torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.int64, device=dev),
+               parents=torch.tensor([p + [-1] * (width - len(p)) for p in parents], dtype=torch.int32, device=dev),
+               depths=torch.tensor([d + [-1] * (width - len(d)) for d in depths], dtype=torch.int32, device=dev),
+               scores=scores, num_nodes=torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=dev))
+    return new, added

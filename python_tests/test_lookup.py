@@ -1,0 +1,215 @@
+"""Context lookup: the n-gram index, the acceptance statistics, grafting a continuation into a
+draft tree, and decoding with it (lossless for every method, cut by cost under budget="auto")."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dartree_ext.decoding import METHODS, SpeculativeDecoder
+from dartree_ext.decoding.cost import CostModel
+from dartree_ext.decoding.lookup import ContextIndex, LookupStats, graft_chains
+from dartree_ext.models import LookupDrafter as OracleDrafter
+from dartree_ext.tree import Tree
+from models import greedy_reference, tiny_drafter, tiny_target
+from test_decoding import check_greedy, left_pad
+
+
+def brute_propose(tokens, length, max_ngram=4):
+    """The latest earlier occurrence of the longest suffix, by scanning."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + length], n
+    return [], 0
+
+
+def test_context_index_matches_a_scan():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        seq = torch.randint(0, 5, (60,), generator=gen).tolist()
+        index = ContextIndex(seq[:3])
+        pos = 3
+        while pos < len(seq):  # tokens arrive in rounds of 1-4, as accepted paths do
+            step = int(torch.randint(1, 5, (1,), generator=gen))
+            index.extend(seq[pos:pos + step])
+            pos += step
+            got = index.propose(6)
+            assert got == brute_propose(seq[:pos], 6), (trial, pos)
+
+
+def test_context_index_by_hand():
+    index = ContextIndex([5, 1, 2, 3, 9, 1, 2])
+    assert index.propose(3) == ([3, 9, 1], 2)   # "1 2" occurred, followed by 3 9 1
+    index.extend([7])
+    assert index.propose(3) == ([], 0)          # 7 never occurred before
+    index.extend([1])
+    assert index.propose(2) == ([2, 7], 1)      # the latest "1" (position 5), not the first
+    assert ContextIndex([4]).propose(5) == ([], 0)
+    assert ContextIndex([4, 4]).propose(5) == ([4], 1)  # a repeat continues itself
+    assert index.propose(0) == ([], 0)
+    with pytest.raises(ValueError, match="max_ngram"):
+        ContextIndex([1], max_ngram=0)
+
+
+def test_lookup_stats_learn_conditional_acceptance():
+    stats = LookupStats(max_depth=4, prior_weight=1.0)
+    prior = stats.conditional(4)
+    assert prior[0] == pytest.approx(LookupStats.PRIOR[3])
+    for _ in range(99):  # 4-gram matches: the first 2 tokens always right, the third never
+        stats.update(4, proposed=4, accepted=2)
+    c = stats.conditional(4)
+    assert c[0] == pytest.approx((99 + prior[0]) / 100) and c[1] == pytest.approx((99 + prior[1]) / 100)
+    assert c[2] == pytest.approx(prior[2] / 100)
+    assert c[3] == pytest.approx(prior[3])       # never tried: the prior
+    assert stats.conditional(1) == LookupStats(max_depth=4, prior_weight=1.0).conditional(1)  # other n untouched
+    p = stats.path_probs(4, 3)
+    assert p == pytest.approx([c[0], c[0] * c[1], c[0] * c[1] * c[2]])
+    assert stats.conditional(9) == stats.conditional(4)  # longer matches share the last bucket
+
+
+def small_tree() -> Tree:
+    """Row 0: root -> 7 -> 8, root -> 9 (3 nodes); row 1: root alone, padded."""
+    return Tree(tokens=torch.tensor([[1, 7, 9, 8], [2, 0, 0, 0]]),
+                parents=torch.tensor([[-1, 0, 0, 1], [-1, -1, -1, -1]], dtype=torch.int32),
+                depths=torch.tensor([[0, 1, 1, 2], [0, -1, -1, -1]], dtype=torch.int32),
+                scores=torch.tensor([[0.0, -0.5, -1.0, -1.2], [0.0, float("-inf"), float("-inf"), float("-inf")]]),
+                num_nodes=torch.tensor([4, 1], dtype=torch.int32))
+
+
+def test_graft_shares_nodes_and_appends_the_rest():
+    tree, added = graft_chains(small_tree(), [[7, 8, 5, 6], [3]])
+    assert added == [[0, 0, 1, 2], [1]]
+    assert tree.num_nodes.tolist() == [6, 2]
+    assert tree.tokens[0, :6].tolist() == [1, 7, 9, 8, 5, 6]
+    assert tree.parents[0, :6].tolist() == [-1, 0, 0, 1, 3, 4]
+    assert tree.depths[0, :6].tolist() == [0, 1, 1, 2, 3, 4]
+    assert tree.tokens[1, :2].tolist() == [2, 3] and tree.parents[1].tolist()[:3] == [-1, 0, -1]
+    assert tree.depths[1].tolist()[2:] == [-1] * 4
+    assert tree.scores[0, :4].tolist() == small_tree().scores[0].tolist()
+    assert torch.isinf(tree.scores[0, 4:]).all() and torch.isinf(tree.scores[1, 1:]).all()
+    for b in range(2):  # the shared layout: parents before children
+        n = int(tree.num_nodes[b])
+        assert all(0 <= int(tree.parents[b, i]) < i for i in range(1, n))
+
+
+def test_graft_without_chains_is_the_same_tree():
+    tree = small_tree()
+    same, added = graft_chains(tree, [[], []])
+    assert same is tree and added == [[], []]
+    with pytest.raises(ValueError, match="one chain per row"):
+        graft_chains(tree, [[1]])
+
+
+def test_grafted_tree_verifies_like_a_walk():
+    """verify_tree over a grafted tree follows the target's tokens into the new branch."""
+    from dartree_ext import ops
+    tree, _ = graft_chains(small_tree(), [[7, 8, 5, 6], [3, 4]])
+    target = torch.zeros_like(tree.tokens)
+    # row 0: after root 7, after 7 8, after 8 5, after 5 0 (reject 6); row 1: after root 3, after 3 4
+    target[0, 0], target[0, 1], target[0, 3], target[0, 4], target[0, 5] = 7, 8, 5, 0, 0
+    target[1, 0], target[1, 1], target[1, 2] = 3, 4, 11
+    nodes, length, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target)
+    assert length.tolist() == [3, 2] and bonus.tolist() == [0, 11]
+    assert nodes[0, :4].tolist() == [0, 1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama")
+    gen = torch.Generator().manual_seed(7)
+    base = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 11, 1)]
+    # repeat each prompt so the context has continuations to find
+    prompts = [torch.cat([p, p]) for p in base]
+    refs = [greedy_reference(target, p, 24) for p in prompts]
+    return target, tiny_drafter(target), prompts, refs
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_lookup_is_lossless_for_every_method(setup, method):
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=8, lookup=6)
+    out = check_greedy(dec, prompts, refs)
+    assert out.stats.lookup_rounds > 0
+
+
+def test_lookup_raises_tau_with_an_oracle_context(setup):
+    """The target's own output, given in the prompt: the continuation is the answer."""
+    target, drafter, prompts, refs = setup
+    primed = [torch.cat([p, r, p]) for p, r in zip(prompts, refs)]
+    primed_refs = [greedy_reference(target, p, 24) for p in primed]
+    plain = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=0), primed, primed_refs)
+    looked = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=8), primed, primed_refs)
+    alone = check_greedy(SpeculativeDecoder(target, None, "lookup", budget=8), primed, primed_refs)
+    assert looked.stats.lookup_accepted > 0
+    assert looked.stats.tau > plain.stats.tau + 1.0 and alone.stats.tau > 2.0
+
+
+def test_auto_cuts_the_continuation_by_cost(setup):
+    """With nodes nearly free the whole continuation is verified; with every node costing a
+    plain step, none is."""
+    target, drafter, prompts, refs = setup
+    primed = [torch.cat([p, r, p]) for p, r in zip(prompts, refs)]
+    primed_refs = [greedy_reference(target, p, 24) for p in primed]
+    free = CostModel.from_curve({0: 10.0, 10 ** 6: 10.5})
+    dear = CostModel.from_curve({0: 10.0, 1: 20.0, 10 ** 6: 10.0 * 10 ** 6})
+    cheap = check_greedy(SpeculativeDecoder(target, None, "lookup", budget="auto", cost_model=free, lookup=6),
+                         primed, primed_refs)
+    costly = check_greedy(SpeculativeDecoder(target, None, "lookup", budget="auto", cost_model=dear, lookup=6),
+                          primed, primed_refs)
+    assert cheap.stats.lookup_rounds > 0 and cheap.stats.tau > 2.0
+    assert costly.stats.lookup_rounds == 0 and costly.stats.tau == 1.0
+
+
+def test_lookup_steps_pick_the_analytic_optimum(setup):
+    """One row, a 3-token continuation with path probabilities 0.9, 0.45, 0.09 on a linear cost
+    curve 10 + 2 n: rates 1 / 10, 1.9 / 12, 2.35 / 14, 2.44 / 16 -> 2 steps."""
+    target, drafter, _, _ = setup
+    dec = SpeculativeDecoder(target, None, "lookup", budget="auto", lookup=3,
+                             cost_model=CostModel.from_curve({0: 10.0, 100: 210.0}))
+    stats = dec.lookup_stats
+    stats.prior[3, :3] = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64)
+    tree = dec.plain_tree(torch.tensor([1]))
+    chains = [[4, 5, 6]]
+    _, added = graft_chains(tree, chains)
+    dec._chosen_expected = 0.0
+    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 2
+    stats.prior[3, :3] = torch.tensor([0.9, 0.9, 0.9], dtype=torch.float64)
+    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 3
+    stats.prior[3, :3] = torch.tensor([0.1, 0.9, 0.9], dtype=torch.float64)
+    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 0
+
+
+def test_lookup_bad_input(setup):
+    target, drafter, _, _ = setup
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="lookup must be an int"):
+            SpeculativeDecoder(target, drafter, "chain", lookup=bad)
+    with pytest.raises(ValueError, match="plain decoding"):
+        SpeculativeDecoder(target, drafter, "ar", lookup=4)
+    with pytest.raises(ValueError, match="needs lookup"):
+        SpeculativeDecoder(target, None, "lookup", lookup=0)
+
+
+def test_lookup_defaults(setup):
+    target, drafter, _, _ = setup
+    assert SpeculativeDecoder(target, drafter, "dartree", budget=16).lookup == 0  # the papers' fixed trees
+    assert SpeculativeDecoder(target, None, "lookup").lookup == 10
+    auto = SpeculativeDecoder(target, drafter, "dartree", budget="auto", cost_model=CostModel.from_curve({0: 1.0}))
+    assert auto.lookup == 10
+    assert SpeculativeDecoder(target, drafter, "ar").lookup == 0
+
+
+def test_lookup_batch_rows_finish_at_different_times(setup):
+    """Rows leave the batch mid-run (max_new_tokens differs by stop token): the index of each
+    request stays its own."""
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget=8, width=4, K=8, lookup=5)
+    stop = int(refs[1][5])
+    ids, mask = left_pad(prompts)
+    out = dec.generate(ids, mask, max_new_tokens=24, stop_token_ids=[stop])
+    width = ids.shape[1]
+    for b, ref in enumerate(refs):
+        ref = ref.tolist()
+        end = ref.index(stop) + 1 if stop in ref else 24
+        assert out.sequences[b, width:width + end].tolist() == ref[:end]
