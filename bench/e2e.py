@@ -129,9 +129,10 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
 
 
 def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_tokens: int, stops: list[int],
-           device: str, seed: int = 0) -> dict:
+           device: str, seed: int = 0, prompt_lookup: int | None = None) -> dict:
     """HF ``generate`` on the same prompts (greedy, or sampling at T > 0), timed like ``run``: the
-    baseline that shows the ``ar`` loop is not a slow strawman."""
+    baseline that shows the ``ar`` loop is not a slow strawman. ``prompt_lookup=N``: HF's own
+    prompt-lookup decoding (``prompt_lookup_num_tokens=N``), row ``hf_prompt_lookup``."""
     import time
     seconds = tokens = 0
     outputs = []
@@ -139,6 +140,8 @@ def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_to
         ids, mask = left_pad(group, device=device)
         kw = dict(max_new_tokens=max_new_tokens, attention_mask=mask, eos_token_id=stops or None,
                   pad_token_id=stops[0] if stops else 0)
+        if prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = prompt_lookup
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
@@ -165,7 +168,7 @@ def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_to
         seconds += max(0.0, total - first)
         tokens += sum(len(o) for o in outs) - len(outs)
         outputs.append(outs)
-    return dict(method="hf_generate", temperature=temperature, params={}, tau=1.0, tau_macro=1.0, seconds=seconds,
+    return dict(method="hf_prompt_lookup" if prompt_lookup else "hf_generate", temperature=temperature, params={}, tau=1.0, tau_macro=1.0, seconds=seconds,
                 tokens=tokens, rounds=tokens, ms_per_token=1e3 * seconds / max(1, tokens), mean_tree_nodes=0.0,
                 split={}, accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=outputs)
 
@@ -180,6 +183,20 @@ def first_divergence(outputs: list, reference: list) -> list:
                 i = min(len(out), len(ref))
             firsts.append(i)
     return firsts
+
+
+def method_params(spec: str, params: Params) -> tuple[str, Params]:
+    """``method`` or ``method/name=value`` (one parameter overridden for that method alone, e.g.
+    ``dartree/lookup=0``; the row keeps the whole spec as its name)."""
+    method, sep, override = spec.partition("/")
+    if not sep:
+        return method, params
+    name, eq, value = override.partition("=")
+    if not eq or name not in {f.name for f in dataclasses.fields(Params)}:
+        raise SystemExit(f"--methods: expected method/name=value with a Params field, got {spec!r}")
+    kind = budget_arg if name == "budget" else early_exit_arg if name == "early_exit" else \
+        int if name == "lookup" else type(getattr(params, name))
+    return method, dataclasses.replace(params, **{name: kind(value)})
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
@@ -255,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf", action="store_true", help="also time HF generate on the same prompts (row "
                         "'hf_generate': the time past the first token, as the decoder's rows leave prefill out)")
+    parser.add_argument("--hf-lookup", type=int, default=None, metavar="N",
+                        help="also time HF generate with its prompt-lookup decoding (prompt_lookup_num_tokens=N; "
+                             "row 'hf_prompt_lookup')")
     parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
                         help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
                              "(the second labelled '@fullvocab')")
@@ -309,11 +329,14 @@ def main(argv: list[str] | None = None) -> int:
                     refs = [torch.tensor(p + o) for g, outs in zip(groups, ar_runner.outputs) for p, o in zip(g, outs)]
                     drafter = LookupDrafter(drafter, refs, miss=args.oracle_miss)
                 for params in variants:
-                    for method in methods:
-                        if method == "lookup" and params.lookup == 0:
+                    for spec in methods:
+                        method, run_params = method_params(spec, params)
+                        if method == "lookup" and run_params.lookup == 0:
                             continue  # method lookup is the continuation alone: lookup=0 leaves nothing
-                        runners.append((label, Runner(target, drafter, method, params, temperature, args.max_new_tokens,
-                                                      stops, args.device)))
+                        runner = Runner(target, drafter, method, run_params, temperature, args.max_new_tokens,
+                                        stops, args.device)
+                        runner.method = spec
+                        runners.append((label, runner))
             for g, group in enumerate(groups):
                 if not oracle:
                     ar_runner.step(g, group)
@@ -324,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.hf:
                 hf_done = run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device)
                 results.append(hf_done)
+            if args.hf_lookup:
+                results.append(run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device,
+                                      prompt_lookup=args.hf_lookup))
             for label, runner in runners:
                 r = runner.result()
                 r["drafter"] = label or args.drafter

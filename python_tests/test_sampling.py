@@ -63,3 +63,17 @@ def test_generator_makes_it_reproducible():
     a = target_tokens_from_logits(logits, 1.0, generator=torch.Generator().manual_seed(5))
     b = target_tokens_from_logits(logits, 1.0, generator=torch.Generator().manual_seed(5))
     assert torch.equal(a, b)
+
+
+def test_never_samples_a_token_of_zero_probability():
+    """Filtered tokens (-inf logits) at the start, in the middle and at the end of the vocabulary,
+    and a vocabulary where nearly all mass sits on the last token: the sampler's cumulative
+    search never lands on a zero-probability token and stays in range."""
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), float("-inf"), 1.0, float("-inf")]])
+    freq = _frequencies(logits, temperature=1.0)
+    assert freq[[0, 2, 3, 5]].sum() == 0
+    _assert_close_in_distribution(freq, logits[0].double().softmax(-1))
+    peaked = torch.full((1, 5000), -30.0)
+    peaked[0, -1] = 30.0
+    tokens = target_tokens_from_logits(peaked.expand(1000, -1), 1.0, generator=torch.Generator().manual_seed(2))
+    assert (tokens == 4999).all()
