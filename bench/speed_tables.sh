@@ -25,9 +25,11 @@ steps=("$@")
 for step in "${steps[@]}"; do
   echo "== $step"
   case "$step" in
-    t0) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --methods chain,ddtree,dartree --hf \
+    t0) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --hf --hf-lookup 10 \
+          --methods lookup,chain,ddtree,dartree,chain/lookup=0,ddtree/lookup=0,dartree/lookup=0 \
           --temperatures 0 --json "$OUT/e2e_smollm2_speed_t0.json" ;;
-    t1) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --methods chain,ddtree,dartree --hf \
+    t1) $PYTHON "${common[@]}" --dtype "$DTYPE" --budget auto --hf \
+          --methods lookup,chain,ddtree,dartree,chain/lookup=0,ddtree/lookup=0,dartree/lookup=0 \
           --temperatures 1 --json "$OUT/e2e_smollm2_speed_t1.json" ;;
     sweep) $PYTHON "${common[@]}" --dtype "$DTYPE" --methods dartree --sweep budget=auto,4,8,16,32,64 \
           --temperatures 0 --draft-vocab both --json "$OUT/e2e_smollm2_speed_sweep.json" ;;

@@ -24,6 +24,7 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("tree_ancestor_bits(Tensor parents, Tensor num_nodes) -> (Tensor bits, Tensor depths)");
   m.def("tree_attention_mask(Tensor parents, Tensor num_nodes, Tensor past_key_mask, ScalarType dtype) -> Tensor");
   m.def("tree_links(Tensor parents, Tensor num_nodes) -> (Tensor next_token, Tensor next_sibling)");
+  m.def("packed_tree_mask(Tensor bits, Tensor seq_lens, Tensor mask_indptr, int total_bytes) -> Tensor");
   // verify area
   m.def(
       "verify_tree(Tensor tokens, Tensor parents, Tensor num_nodes, Tensor target_tokens) -> "

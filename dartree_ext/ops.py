@@ -19,8 +19,8 @@ import torch
 from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "ddtree_heap",
-           "expand_depth", "select_top_b", "select_top_w", "tree_ancestor_bits", "tree_attention_mask", "tree_links",
-           "verify_tree"]
+           "expand_depth", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
+           "tree_attention_mask", "tree_links", "verify_tree"]
 
 MAX_TREE_NODES = 8192
 MAX_HEAP_BUDGET = 2048
@@ -96,6 +96,20 @@ def tree_links(parents: torch.Tensor, num_nodes: torch.Tensor, *,
     """
     _maybe_check(parents, num_nodes, validate, "tree_links")
     return _ops.tree_links.default(parents, num_nodes)
+
+
+def packed_tree_mask(bits: torch.Tensor, seq_lens: torch.Tensor, mask_indptr: torch.Tensor,
+                     total_bytes: int) -> torch.Tensor:
+    """FlashInfer's packed custom mask (``packed_custom_mask`` of its batch prefill wrappers).
+
+    For request ``b`` the bool mask ``[N, seq_lens[b] + N]`` (every prefix column visible, then
+    the tree part from the ancestor rows ``bits int64[B, N, ceil(N / 64)]`` of
+    :func:`tree_ancestor_bits`), flattened row-major and packed 8 entries a byte, little-endian,
+    into ``uint8[total_bytes]`` at ``mask_indptr int32[B + 1]`` (byte offsets: request ``b`` takes
+    ``ceil(N * (seq_lens[b] + N) / 8)`` bytes, its last byte zero-padded). ``seq_lens`` is int64.
+    :func:`dartree_ext.integrations.flashinfer.packed_custom_mask` computes the offsets.
+    """
+    return _ops.packed_tree_mask.default(bits, seq_lens, mask_indptr, int(total_bytes))
 
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
@@ -211,6 +225,12 @@ def _tree_attention_mask_fake(parents, num_nodes, past_key_mask, dtype):
 def _tree_links_fake(parents, num_nodes):
     _check_same_device("tree_links", parents=parents, num_nodes=num_nodes)
     return torch.empty_like(parents), torch.empty_like(parents)
+
+
+@torch.library.register_fake("dartree_ext::packed_tree_mask")
+def _packed_tree_mask_fake(bits, seq_lens, mask_indptr, total_bytes):
+    _check_same_device("packed_tree_mask", bits=bits, seq_lens=seq_lens, mask_indptr=mask_indptr)
+    return bits.new_empty((total_bytes,), dtype=torch.uint8)
 
 
 @torch.library.register_fake("dartree_ext::verify_tree")

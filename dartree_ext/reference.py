@@ -57,6 +57,28 @@ def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[
     return pack_bits(anc), depths
 
 
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """int64[..., ceil(n / 64)] -> bool[..., n] (the inverse of :func:`pack_bits`)."""
+    j = torch.arange(n, device=bits.device)
+    return ((bits[..., j // 64] >> (j % 64)) & 1).bool()
+
+
+def packed_tree_mask(bits: torch.Tensor, seq_lens: torch.Tensor, mask_indptr: torch.Tensor,
+                     total_bytes: int) -> torch.Tensor:
+    n = bits.shape[1]
+    out = torch.zeros(total_bytes, dtype=torch.uint8, device=bits.device)
+    weights = torch.ones(8, dtype=torch.long, device=bits.device) << torch.arange(8, device=bits.device)
+    for b in range(bits.shape[0]):
+        s = int(seq_lens[b])
+        full = torch.cat([torch.ones(n, s, dtype=torch.bool, device=bits.device), unpack_bits(bits[b], n)], 1)
+        flat = full.reshape(-1)
+        flat = torch.nn.functional.pad(flat.long(), (0, -flat.numel() % 8))
+        packed = (flat.view(-1, 8) * weights).sum(-1).to(torch.uint8)
+        start = int(mask_indptr[b])
+        out[start:start + packed.numel()] = packed
+    return out
+
+
 def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor, past_key_mask: torch.Tensor,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     anc = ancestor_matrix(parents, num_nodes)

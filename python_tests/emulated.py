@@ -37,6 +37,7 @@ _SIGNATURES = {
     "emu_tree_ancestor_bits": [_P, _P, _I, _I, _P, _P],
     "emu_tree_attention_mask": [_P, _P, _P, _I, _I, _I, _I, ctypes.c_uint64, _P],
     "emu_tree_links": [_P, _P, _I, _I, _P, _P],
+    "emu_packed_tree_mask": [_P, _P, _P, _I, _I, ctypes.c_int64, _P],
     "emu_verify_tree": [_P, _P, _P, _P, _I, _I, _P, _P, _P],
     "emu_select_top_w": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
@@ -140,6 +141,12 @@ class EmulatedOps:
         self.call("emu_tree_links", _ptr(parents), _ptr(num_nodes), *parents.shape, _ptr(next_token),
                   _ptr(next_sibling))
         return next_token, next_sibling
+
+    def packed_tree_mask(self, bits, seq_lens, mask_indptr, total_bytes):
+        out = torch.zeros(total_bytes, dtype=torch.uint8)
+        self.call("emu_packed_tree_mask", _ptr(bits), _ptr(seq_lens), _ptr(mask_indptr), bits.shape[0], bits.shape[1],
+                  total_bytes, _ptr(out))
+        return out
 
     def verify_tree(self, tokens, parents, num_nodes, target_tokens, *, validate=False):
         batch, n_max = parents.shape

@@ -15,6 +15,12 @@ def _sample_args(name: str, device: str):
     parents, num_nodes = parents.to(device), num_nodes.to(device)
     if name in ("tree_ancestor_bits", "tree_links"):
         return (parents, num_nodes)
+    if name == "packed_tree_mask":
+        from dartree_ext.integrations.flashinfer import mask_indptr
+        bits, _ = torch.ops.dartree_ext.tree_ancestor_bits(parents, num_nodes)
+        lens = torch.tensor([0, 5, 9], device=device)
+        indptr = mask_indptr(70, lens)
+        return (bits, lens, indptr, int(indptr[-1]))
     if name == "tree_attention_mask":
         return (parents, num_nodes, torch.rand(3, 9, device=device) < 0.5, torch.bfloat16)
     if name == "verify_tree":
@@ -46,7 +52,8 @@ def _sample_args(name: str, device: str):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "verify_tree",
+@pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "packed_tree_mask",
+                                  "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
                                   "build_supertree", "compact_kv_"])
 def test_opcheck(name, device):

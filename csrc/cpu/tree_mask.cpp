@@ -124,7 +124,36 @@ std::tuple<at::Tensor, at::Tensor> tree_links_cpu(const at::Tensor& parents, con
 
 }  // namespace
 
+// FlashInfer's packed custom mask, request by request: bit f of the request's byte run is entry
+// (f / L, f % L) of its [N, L = seq_len + N] mask, little-endian within each byte.
+at::Tensor packed_tree_mask_cpu(const at::Tensor& bits, const at::Tensor& seq_lens, const at::Tensor& mask_indptr,
+                                int64_t total_bytes) {
+  check_packed_tree_mask_inputs(bits, seq_lens, mask_indptr, total_bytes);
+  const int64_t batch = bits.size(0), n = bits.size(1), words = bits.size(2);
+  at::Tensor out = at::zeros({total_bytes}, bits.options().dtype(at::kByte));
+  const auto* rows = reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* indptr = mask_indptr.data_ptr<int32_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      uint8_t* bytes = dst + indptr[b];
+      const int64_t s = lens[b], width = s + n;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t* row = rows + (b * n + i) * words;
+        for (int64_t c = 0; c < width; ++c) {
+          const bool visible = c < s || ((row[(c - s) >> 6] >> ((c - s) & 63)) & 1u);
+          const int64_t f = i * width + c;
+          if (visible) bytes[f >> 3] |= static_cast<uint8_t>(1u << (f & 7));
+        }
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
+  m.impl("packed_tree_mask", &packed_tree_mask_cpu);
   m.impl("tree_ancestor_bits", &tree_ancestor_bits_cpu);
   m.impl("tree_attention_mask", &tree_attention_mask_cpu);
   m.impl("tree_links", &tree_links_cpu);

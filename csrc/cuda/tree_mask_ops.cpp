@@ -58,9 +58,23 @@ std::tuple<at::Tensor, at::Tensor> tree_links_cuda(const at::Tensor& parents, co
   return {next_token, next_sibling};
 }
 
+at::Tensor packed_tree_mask_cuda(const at::Tensor& bits, const at::Tensor& seq_lens, const at::Tensor& mask_indptr,
+                                 int64_t total_bytes) {
+  check_packed_tree_mask_inputs(bits, seq_lens, mask_indptr, total_bytes);
+  const c10::cuda::CUDAGuard guard(bits.device());
+  at::Tensor out = at::empty({total_bytes}, bits.options().dtype(at::kByte));
+  kernels::launch_packed_tree_mask(reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>()),
+                                   seq_lens.data_ptr<int64_t>(), mask_indptr.data_ptr<int32_t>(),
+                                   static_cast<int>(bits.size(0)), static_cast<int>(bits.size(1)), total_bytes,
+                                   out.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dartree_ext, CUDA, m) {
+  m.impl("packed_tree_mask", &packed_tree_mask_cuda);
   m.impl("tree_ancestor_bits", &tree_ancestor_bits_cuda);
   m.impl("tree_attention_mask", &tree_attention_mask_cuda);
   m.impl("tree_links", &tree_links_cuda);

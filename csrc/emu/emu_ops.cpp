@@ -175,6 +175,13 @@ int emu_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, 
   });
 }
 
+int emu_packed_tree_mask(const uint64_t* bits, const int64_t* seq_lens, const int32_t* mask_indptr, int batch,
+                         int n_max, int64_t total_bytes, uint8_t* out) {
+  return guarded([&] {
+    dartree::kernels::launch_packed_tree_mask(bits, seq_lens, mask_indptr, batch, n_max, total_bytes, out, nullptr);
+  });
+}
+
 int emu_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t* num_nodes,
                     const int64_t* target_tokens, int batch, int n_max, int32_t* accept_nodes, int32_t* accept_len,
                     int64_t* bonus) {

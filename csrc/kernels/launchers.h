@@ -31,6 +31,11 @@ void launch_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes
                                 cudaStream_t stream);
 void launch_tree_links(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max, int32_t* next_token,
                        int32_t* next_sibling, cudaStream_t stream);
+// FlashInfer's packed custom mask: per request b, the bool mask [N, seq_lens[b] + N] (prefix
+// visible, then the ancestor bits of `bits [B, N, ceil(N / 64)]`), row-major, packed 8 entries a
+// byte little-endian into out[mask_indptr[b] .. mask_indptr[b + 1]) (the last byte zero-padded).
+void launch_packed_tree_mask(const uint64_t* bits, const int64_t* seq_lens, const int32_t* mask_indptr, int batch,
+                             int n_max, int64_t total_bytes, uint8_t* out, cudaStream_t stream);
 
 // verify area
 void launch_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t* num_nodes,

@@ -187,5 +187,43 @@ void launch_tree_links(const int32_t* parents, const int32_t* num_nodes, int bat
                  num_nodes, n_max, next_token, next_sibling);
 }
 
+// grid (X, B): the blocks of request b stride over its bytes; a thread builds one byte from its 8
+// mask entries (entry f of the request is row f / L, column f % L, L = seq_len + N), so every
+// byte is written exactly once, without atomics, and consecutive threads write consecutive bytes.
+__global__ void packed_tree_mask_kernel(const uint64_t* bits, const int64_t* seq_lens, const int32_t* mask_indptr,
+                                        int n_max, uint8_t* out) {
+  const int b = blockIdx.y;
+  const int words = words_for(n_max);
+  const int64_t begin = mask_indptr[b], end = mask_indptr[b + 1];
+  const int64_t s = seq_lens[b], width = s + n_max, entries = width * n_max;
+  const uint64_t* rows = bits + static_cast<int64_t>(b) * n_max * words;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < end; k += stride) {
+    unsigned byte = 0;
+    for (int r = 0; r < 8; ++r) {
+      const int64_t f = (k - begin) * 8 + r;
+      if (f >= entries) break;
+      const int64_t i = f / width, c = f - i * width;
+      bool visible = c < s;
+      if (!visible) {
+        const int64_t j = c - s;
+        visible = (rows[i * words + (j >> 6)] >> (j & 63)) & 1ull;
+      }
+      byte |= static_cast<unsigned>(visible) << r;
+    }
+    out[k] = static_cast<uint8_t>(byte);
+  }
+}
+
+void launch_packed_tree_mask(const uint64_t* bits, const int64_t* seq_lens, const int32_t* mask_indptr, int batch,
+                             int n_max, int64_t total_bytes, uint8_t* out, cudaStream_t stream) {
+  if (batch == 0 || n_max == 0 || total_bytes == 0) return;
+  int64_t per_request = (total_bytes / batch + kMaskThreads - 1) / kMaskThreads;
+  per_request = per_request < 1 ? 1 : (per_request > 256 ? 256 : per_request);
+  const dim3 grid(static_cast<unsigned>(per_request), static_cast<unsigned>(batch));
+  DARTREE_LAUNCH(packed_tree_mask_kernel, grid, dim3(kMaskThreads), 0, stream, bits, seq_lens, mask_indptr, n_max,
+                 out);
+}
+
 }  // namespace kernels
 }  // namespace dartree
