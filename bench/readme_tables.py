@@ -1,24 +1,31 @@
-"""The README's markdown tables, printed from bench/e2e.py summaries (so the README's figures are
-the bench's output, not retyped):
+"""The README's results table, printed from a bench/e2e.py results file (so the README's figures
+are the bench's output, not retyped): per set "tau / speedup", then the means over sets.
 
-    python bench/readme_tables.py bench/results/e2e_smollm2_t0.summary.json
+    python bench/readme_tables.py bench/results/e2e_smollm2_speed_t0.json
 """
 from __future__ import annotations
 
 import json
 import sys
+from collections import defaultdict
 
 NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mtbench": "MT-Bench"}
 
 
 def table(rows: list[dict]) -> str:
-    rows = [r for r in rows if r["method"] != "ar"]
-    sets = list(rows[0]["tau"])
-    head = "| method | " + " | ".join(f"{NAMES.get(s, s)} tau" for s in sets) + " | mean tau | mean speedup vs AR |"
-    lines = [head, "|" + "---|" * (len(sets) + 3)]
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    by_method: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        cells = " | ".join(f"{r['tau'][s]:.3f}" for s in sets)
-        lines.append(f"| {r['method']} | {cells} | {r['mean_tau']:.3f} | {r['mean_speedup']:.2f}x |")
+        by_method[r["method"]][r["set"]] = r
+    head = "| method | " + " | ".join(f"{NAMES.get(s, s)} tau / speedup" for s in sets) + " | mean tau | mean speedup |"
+    lines = [head, "|" + "---|" * (len(sets) + 3)]
+    for method, per_set in by_method.items():
+        cells = " | ".join(f"{per_set[s]['tau']:.2f} / {per_set[s]['speedup']:.2f}x" if s in per_set else "-"
+                           for s in sets)
+        present = [per_set[s] for s in sets if s in per_set]
+        mean_tau = sum(r["tau"] for r in present) / len(present)
+        mean_speedup = sum(r["speedup"] for r in present) / len(present)
+        lines.append(f"| {method} | {cells} | {mean_tau:.3f} | {mean_speedup:.3f}x |")
     return "\n".join(lines)
 
 
