@@ -43,6 +43,9 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "compact_kv_(Tensor(a!) keys, Tensor(b!) values, Tensor src_positions, Tensor dst_start, Tensor lengths) -> "
       "()");
+  m.def(
+      "compact_kv_paged_(Tensor(a!)[] caches, Tensor block_table, Tensor src_positions, Tensor dst_start, "
+      "Tensor lengths) -> ()");
   // expand area
   m.def(
       "expand_depth(Tensor z, Tensor cand_ids, Tensor cand_base, Tensor parent_states, Tensor parent_scores, "

@@ -18,7 +18,8 @@ import torch
 
 from ._widths import depth_widths
 
-__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "ddtree_heap",
+__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_paged_",
+           "ddtree_heap",
            "expand_depth", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
@@ -349,6 +350,34 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
     ``values`` must agree on batch, heads and sequence length (their head dims may differ).
     """
     _ops.compact_kv_.default(keys, values, src_positions, dst_start, lengths)
+
+
+def compact_kv_paged_(caches: list[torch.Tensor], block_table: torch.Tensor, src_positions: torch.Tensor,
+                      dst_start: torch.Tensor, lengths: torch.Tensor, *, validate: bool = False) -> None:
+    """:func:`compact_kv_` for paged caches, every layer in one call (one launch on CUDA).
+
+    ``caches``: pools ``[num_pages, page_size, ...]`` (keys and values of every layer, any dtype,
+    contiguous, the same ``num_pages`` and ``page_size``; vLLM / SGLang / FlashInfer's NHD page
+    layout). Request ``b``'s logical position ``p`` is slot ``p % page_size`` of page
+    ``block_table[b, p // page_size]`` (int32 ``[B, max_pages]``). For each request the entries at
+    logical ``src_positions[b, :lengths[b]]`` (increasing, at or after ``dst_start[b]``) move to
+    logical ``dst_start[b] + i``, in every pool. The CPU op checks every value before moving
+    anything (``ValueError``, pools untouched): pages inside the pool, a request's touched pages
+    distinct, no slot written by two requests or written by one and read by another. CUDA checks
+    dtypes, shapes and devices only, unless ``validate=True`` (a host copy of the indices)."""
+    if validate and block_table.device.type != "cpu" and caches:
+        # the CPU op's checks on host copies, over an empty stand-in pool of the same pages
+        stand_in = torch.empty(caches[0].shape[0], caches[0].shape[1], 0, dtype=caches[0].dtype)
+        _ops.compact_kv_paged_.default([stand_in], block_table.cpu(), src_positions.cpu(), dst_start.cpu(),
+                                       lengths.cpu())
+    _ops.compact_kv_paged_.default(list(caches), block_table, src_positions, dst_start, lengths)
+
+
+@torch.library.register_fake("dartree_ext::compact_kv_paged_")
+def _compact_kv_paged_fake(caches, block_table, src_positions, dst_start, lengths):
+    _check_same_device("compact_kv_paged_", block_table=block_table, src_positions=src_positions,
+                       dst_start=dst_start, lengths=lengths, **{f"caches[{i}]": c for i, c in enumerate(caches)})
+    return None
 
 
 @torch.library.register_fake("dartree_ext::compact_kv_")

@@ -308,6 +308,27 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
             cache[b, :, start:start + n] = rows
 
 
+def compact_kv_paged_(caches: list[torch.Tensor], block_table: torch.Tensor, src_positions: torch.Tensor,
+                      dst_start: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Gather every moved row of every pool first (logical -> pool slot through the block
+    table), then scatter: correct for any order."""
+    page_size = caches[0].shape[1]
+
+    def slots(b: int, pos: torch.Tensor) -> torch.Tensor:
+        return block_table[b, pos // page_size].long() * page_size + pos % page_size
+
+    for pool in caches:
+        flat = pool.view(pool.shape[0] * page_size, -1)
+        moves = []
+        for b in range(block_table.shape[0]):
+            n = int(lengths[b])
+            if n:
+                dst = int(dst_start[b]) + torch.arange(n, device=pool.device)
+                moves.append((slots(b, dst), flat[slots(b, src_positions[b, :n])].clone()))
+        for to, rows in moves:
+            flat[to] = rows
+
+
 def vat_block_weights(accept: torch.Tensor, valid: torch.Tensor, schedule: str = "vat",
                       decay_gamma: float = 7.0) -> tuple[torch.Tensor, torch.Tensor]:
     """First rejection ``k*`` (1-based, K + 1 if none; invalid positions never reject) and the CE

@@ -44,6 +44,7 @@ _SIGNATURES = {
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "emu_expand_depth": [_P, _P, _P, _P],
     "emu_compact_kv": [_P, _I, _I, _I, ctypes.c_int64, _I, _P, _P, _P, _I],
+    "emu_compact_kv_paged": [_P, _P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
     "emu_build_supertree": [_P, _P],
     "emu_vat_row_forward": [_I, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, _P, _P, _P, _P, _P],
     "emu_vat_row_backward": [_I, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P],
@@ -191,6 +192,16 @@ class EmulatedOps:
             batch, heads, seq, dim = cache.shape
             self.call("emu_compact_kv", _ptr(cache), cache.element_size(), batch, heads, seq, dim,
                       _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
+
+    def compact_kv_paged_(self, caches, block_table, src_positions, dst_start, lengths, *, validate=False):
+        slots = caches[0].shape[0] * caches[0].shape[1]
+        row_bytes = [c.numel() // max(1, slots) * c.element_size() for c in caches]
+        unit = 4 if all(r % 4 == 0 for r in row_bytes) else 2 if all(r % 2 == 0 for r in row_bytes) else 1
+        bases = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+        units = torch.tensor([r // unit for r in row_bytes], dtype=torch.int64)
+        self.call("emu_compact_kv_paged", ctypes.cast(bases, ctypes.c_void_p), _ptr(units), len(caches), unit,
+                  block_table.shape[0], caches[0].shape[1], _ptr(block_table), block_table.shape[1],
+                  _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
 
     # vat area: the raw kernels (EmulatedVatKernels), composed by dartree_ext.vat like the real ops
     def vat_row_forward(self, draft, target, tokens, uniforms, temperature):

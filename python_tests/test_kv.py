@@ -59,3 +59,90 @@ def test_compact_kv_long_moves_chunk_columns(backend):
     k_dev, v_dev = backend.put(keys, values)
     backend.ops.compact_kv_(k_dev, v_dev, *backend.put(src, torch.tensor([1]), torch.tensor([600], dtype=torch.int32)))
     assert torch.equal(k_dev.cpu(), expected)
+
+
+# paged pools -------------------------------------------------------------------------------------
+def paged_case(seed: int, batch: int = 3, page_size: int = 4, pages_per_request: int = 6, l_max: int = 9):
+    """Pools for 2 layers (keys [P, page, H, 8] bf16, values [P, page, H, 6] fp32, so copy units
+    differ), block tables that give each request scattered, distinct pages, and moves that cross
+    page boundaries (sources in later pages than their destinations)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = batch * pages_per_request + 3
+    perm = torch.randperm(num_pages, generator=gen)[:batch * pages_per_request]
+    table = perm.view(batch, pages_per_request).to(torch.int32)
+    caches = [torch.randn(num_pages, page_size, 2, 8, generator=gen).to(torch.bfloat16),
+              torch.randn(num_pages, page_size, 2, 6, generator=gen),
+              torch.randn(num_pages, page_size, 2, 8, generator=gen).to(torch.bfloat16),
+              torch.randn(num_pages, page_size, 3, generator=gen).to(torch.float16)]
+    capacity = pages_per_request * page_size
+    src = torch.zeros(batch, l_max, dtype=torch.int64)
+    dst = torch.zeros(batch, dtype=torch.int64)
+    lengths = torch.zeros(batch, dtype=torch.int32)
+    for b in range(batch):
+        n = int(torch.randint(0, l_max + 1, (1,), generator=gen)) if b else l_max
+        start = int(torch.randint(0, capacity - 2 * n, (1,), generator=gen))
+        # source i = start + i + gap_i with non-decreasing gaps: increasing, at or after start + i
+        gaps = torch.randint(0, capacity - start - n + 1, (n,), generator=gen).sort().values
+        src[b, :n] = start + torch.arange(n) + gaps
+        dst[b], lengths[b] = start, n
+    return caches, table, src, dst, lengths
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_kv_paged_matches_reference(backend, seed):
+    caches, table, src, dst, lengths = paged_case(seed)
+    expected = [c.clone() for c in caches]
+    reference.compact_kv_paged_(expected, table, src, dst, lengths)
+    got = [c.clone() for c in caches]
+    moved = backend.put(*got, table, src, dst, lengths)
+    backend.ops.compact_kv_paged_(list(moved[:len(got)]), *moved[len(got):])
+    for g, e in zip(moved[:len(got)], expected):
+        assert torch.equal(g.cpu(), e)
+    assert any(not torch.equal(c, e) for c, e in zip(caches, expected)), "the case should move something"
+
+
+def test_compact_kv_paged_by_hand(backend):
+    """One request, page size 2, pages [3, 0, 2]: logical 4, 5 (page 2) move to 1, 2 (pages 3, 0)."""
+    pool = torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3)
+    table = torch.tensor([[3, 0, 2]], dtype=torch.int32)
+    args = backend.put(pool.clone(), table, torch.tensor([[4, 5]]), torch.tensor([1]),
+                       torch.tensor([2], dtype=torch.int32))
+    backend.ops.compact_kv_paged_([args[0]], *args[1:])
+    out = args[0].cpu()
+    expected = pool.clone()
+    expected[3, 1] = pool[2, 0]   # logical 1 = page 3 slot 1 <- logical 4 = page 2 slot 0
+    expected[0, 0] = pool[2, 1]   # logical 2 = page 0 slot 0 <- logical 5 = page 2 slot 1
+    assert torch.equal(out, expected)
+
+
+def test_compact_kv_paged_bad_input_leaves_the_pools():
+    from dartree_ext import ops
+    caches, table, src, dst, lengths = paged_case(0)
+    before = [c.clone() for c in caches]
+
+    def rejects(match, table=table, src=src, dst=dst, lengths=lengths, caches=caches):
+        with pytest.raises(ValueError, match=match):
+            ops.compact_kv_paged_(caches, table, src, dst, lengths)
+        assert all(torch.equal(c, b) for c, b in zip(caches, before)), "a rejected call must not move anything"
+
+    bad = table.clone()
+    bad[0, int(src[0, -1]) // 4] = 10 ** 6
+    rejects("outside the pool", table=bad)
+    shared = table.clone()
+    shared[1] = shared[0]  # two requests on the same pages: their destinations overlap
+    both = lengths.clone()
+    both[1] = lengths[0]
+    src2, dst2 = src.clone(), dst.clone()
+    src2[1], dst2[1] = src[0], dst[0]
+    rejects("same pool slot", table=shared, src=src2, dst=dst2, lengths=both)
+    twice = table.clone()
+    first = int(dst[0]) // 4
+    twice[0, first + 1] = twice[0, first]
+    rejects("two of its touched logical pages", table=twice)
+    backwards = src.clone()
+    backwards[0, 0] = int(dst[0]) - 1 if int(dst[0]) > 0 else 10 ** 6
+    rejects("increasing", src=backwards)
+    with pytest.raises(ValueError, match="agree on"):
+        ops.compact_kv_paged_([caches[0], caches[1][:, :2].contiguous()], table, src, dst, lengths)
+    with pytest.raises(ValueError, match="at least one pool"):
+        ops.compact_kv_paged_([], table, src, dst, lengths)

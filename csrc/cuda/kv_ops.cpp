@@ -30,8 +30,37 @@ void compact_kv_cuda(const at::Tensor& keys, const at::Tensor& values, const at:
   compact_one_cuda(values, "values", src_positions, dst_start, lengths);
 }
 
+// Every pool in one launch per kMaxPagedCaches pools. Values are not checked here (that would
+// need a host synchronisation): the Python wrapper's validate=True checks them on a host copy.
+void compact_kv_paged_cuda(at::TensorList caches, const at::Tensor& block_table, const at::Tensor& src_positions,
+                           const at::Tensor& dst_start, const at::Tensor& lengths) {
+  check_compact_kv_paged_inputs(caches, block_table, src_positions, dst_start, lengths);
+  const c10::cuda::CUDAGuard guard(block_table.device());
+  const int unit = paged_unit_bytes(caches);
+  const int64_t num_pages = caches[0].size(0), page_size = caches[0].size(1);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  for (size_t first = 0; first < caches.size(); first += kernels::kMaxPagedCaches) {
+    kernels::PagedKvCaches pools{};
+    for (size_t c = first; c < caches.size() && pools.count < kernels::kMaxPagedCaches; ++c) {
+      const at::Tensor& pool = caches[c];
+      const int64_t slots = num_pages * page_size;
+      pools.base[pools.count] = pool.data_ptr();
+      pools.row_units[pools.count] = slots ? pool.numel() / slots * pool.element_size() / unit : 0;
+      ++pools.count;
+    }
+    kernels::launch_compact_kv_paged(pools, unit, static_cast<int>(block_table.size(0)), static_cast<int>(page_size),
+                                     block_table.data_ptr<int32_t>(), static_cast<int>(block_table.size(1)),
+                                     src_positions.data_ptr<int64_t>(), dst_start.data_ptr<int64_t>(),
+                                     lengths.data_ptr<int32_t>(), static_cast<int>(src_positions.size(1)), stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dartree_ext, CUDA, m) { m.impl("compact_kv_", &compact_kv_cuda); }
+TORCH_LIBRARY_IMPL(dartree_ext, CUDA, m) {
+  m.impl("compact_kv_", &compact_kv_cuda);
+  m.impl("compact_kv_paged_", &compact_kv_paged_cuda);
+}
 
 }  // namespace dartree

@@ -225,6 +225,22 @@ int emu_build_supertree(const dartree::kernels::ExpandHead* head, const dartree:
   return guarded([&] { dartree::kernels::launch_build_supertree(*head, *args, nullptr); });
 }
 
+int emu_compact_kv_paged(void* const* bases, const int64_t* row_units, int count, int unit_bytes, int batch,
+                         int page_size, const int32_t* block_table, int max_pages, const int64_t* src_positions,
+                         const int64_t* dst_start, const int32_t* lengths, int l_max) {
+  return guarded([&] {
+    if (count > dartree::kernels::kMaxPagedCaches) throw std::invalid_argument("too many pools for one launch");
+    dartree::kernels::PagedKvCaches pools{};
+    for (int c = 0; c < count; ++c) {
+      pools.base[c] = bases[c];
+      pools.row_units[c] = row_units[c];
+    }
+    pools.count = count;
+    dartree::kernels::launch_compact_kv_paged(pools, unit_bytes, batch, page_size, block_table, max_pages,
+                                              src_positions, dst_start, lengths, l_max, nullptr);
+  });
+}
+
 int emu_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
                    const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max) {
   return guarded([&] {

@@ -65,5 +65,67 @@ void launch_compact_kv(void* cache, int element_bytes, int batch, int heads, int
   }
 }
 
+// grid (B, caches). Like compact_kv_kernel, with logical positions mapped to pool slots through
+// the request's block table; the block stages a chunk of columns of every moved row before
+// writing any, so moves within a page or across pages are correct in any order.
+template <typename Unit>
+__global__ void compact_kv_paged_kernel(PagedKvCaches caches, int page_size, const int32_t* block_table,
+                                        int max_pages, const int64_t* src_positions, const int64_t* dst_start,
+                                        const int32_t* lengths, int l_max, int chunk) {
+  DARTREE_DYNAMIC_SHARED(Unit, s_rows);
+  const int b = blockIdx.x, c = blockIdx.y;
+  int n = lengths[b];
+  n = n < 0 ? 0 : (n > l_max ? l_max : n);
+  const int64_t dim = caches.row_units[c];
+  Unit* base = static_cast<Unit*>(caches.base[c]);
+  const int32_t* table = block_table + static_cast<int64_t>(b) * max_pages;
+  const int64_t* src = src_positions + static_cast<int64_t>(b) * l_max;
+  const int64_t dst = dst_start[b];
+  for (int64_t col0 = 0; col0 < dim; col0 += chunk) {
+    const int cols = static_cast<int>(dim - col0 < chunk ? dim - col0 : chunk);
+    for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
+      const int i = idx / cols, col = idx % cols;
+      const int64_t pos = src[i];
+      const int64_t slot = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
+      s_rows[i * chunk + col] = base[slot * dim + col0 + col];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
+      const int i = idx / cols, col = idx % cols;
+      const int64_t pos = dst + i;
+      const int64_t slot = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
+      base[slot * dim + col0 + col] = s_rows[i * chunk + col];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename Unit>
+void launch_compact_kv_paged_as(const PagedKvCaches& caches, int batch, int page_size, const int32_t* block_table,
+                                int max_pages, const int64_t* src_positions, const int64_t* dst_start,
+                                const int32_t* lengths, int l_max, cudaStream_t stream) {
+  int64_t widest = 1;
+  for (int c = 0; c < caches.count; ++c) widest = caches.row_units[c] > widest ? caches.row_units[c] : widest;
+  const int per_column = l_max * static_cast<int>(sizeof(Unit));
+  int64_t chunk = kKvSharedBytes / per_column;
+  chunk = chunk < 1 ? 1 : (chunk > widest ? widest : chunk);
+  const size_t shared = static_cast<size_t>(chunk) * per_column;
+  auto kernel = compact_kv_paged_kernel<Unit>;
+  DARTREE_LAUNCH(kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(caches.count)), dim3(kKvThreads),
+                 shared, stream, caches, page_size, block_table, max_pages, src_positions, dst_start, lengths, l_max,
+                 static_cast<int>(chunk));
+}
+
+void launch_compact_kv_paged(const PagedKvCaches& caches, int unit_bytes, int batch, int page_size,
+                             const int32_t* block_table, int max_pages, const int64_t* src_positions,
+                             const int64_t* dst_start, const int32_t* lengths, int l_max, cudaStream_t stream) {
+  if (batch == 0 || caches.count == 0 || l_max == 0) return;
+  switch (unit_bytes) {
+    case 4: launch_compact_kv_paged_as<uint32_t>(caches, batch, page_size, block_table, max_pages, src_positions, dst_start, lengths, l_max, stream); break;
+    case 2: launch_compact_kv_paged_as<uint16_t>(caches, batch, page_size, block_table, max_pages, src_positions, dst_start, lengths, l_max, stream); break;
+    default: launch_compact_kv_paged_as<uint8_t>(caches, batch, page_size, block_table, max_pages, src_positions, dst_start, lengths, l_max, stream);
+  }
+}
+
 }  // namespace kernels
 }  // namespace dartree

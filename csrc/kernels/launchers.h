@@ -58,6 +58,19 @@ constexpr int kMaxKvMoves = 4096;
 void launch_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
                        const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max,
                        cudaStream_t stream);
+// Paged pools [num_pages, page_size, ...] (every layer's keys and values, up to kMaxPagedCaches
+// per launch, passed by value): request b's logical position p lives in slot
+// block_table[b, p / page_size] * page_size + p % page_size of every pool; rows of
+// row_units[c] units of `unit_bytes` (1, 2 or 4) each. One launch moves every pool.
+constexpr int kMaxPagedCaches = 64;
+struct PagedKvCaches {
+  void* base[kMaxPagedCaches];
+  int64_t row_units[kMaxPagedCaches];
+  int count;
+};
+void launch_compact_kv_paged(const PagedKvCaches& caches, int unit_bytes, int batch, int page_size,
+                             const int32_t* block_table, int max_pages, const int64_t* src_positions,
+                             const int64_t* dst_start, const int32_t* lengths, int l_max, cudaStream_t stream);
 
 // expand area: DARTree's depth-wise expansion with a GRU correction head (kernels/expand.cuh).
 enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
