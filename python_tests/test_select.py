@@ -176,3 +176,17 @@ def test_ddtree_heap_runs_out_of_nodes(backend):
     out = backend.ops.ddtree_heap(*backend.put(logprobs, torch.tensor([[[3]]]), torch.tensor([1])), 5)
     assert out[4].cpu().tolist() == [2]
     assert out[1].cpu().tolist() == [[-1, 0, -1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("depth, k, budget", [(16, 64, 64),     # log-probs and ids staged in shared memory
+                                              (16, 64, 2000),   # log-probs only
+                                              (32, 400, 2048)])  # neither: read from global memory
+def test_ddtree_heap_every_shared_memory_layout(backend, depth, k, budget):
+    """The CUDA kernel stages a request's candidates in shared memory as far as 48 KiB allow
+    next to its heap: each of its three layouts gives the reference's tree."""
+    gen = torch.Generator().manual_seed(budget)
+    logprobs = sorted_logprobs(2, depth, k, gen, ties=True)
+    token_ids = torch.randint(0, 50_000, (2, depth, k), generator=gen)
+    root_tokens = torch.randint(0, 50_000, (2,), generator=gen)
+    expected = reference.ddtree_heap(logprobs, token_ids, root_tokens, budget)
+    assert_same(backend.ops.ddtree_heap(*backend.put(logprobs, token_ids, root_tokens), budget), expected)

@@ -139,3 +139,12 @@ def test_large_tree_at_the_limit(backend):
     parents, num_nodes = random_batch(2, n_max, seed=7, kind="bushy")
     assert_same(backend.ops.tree_ancestor_bits(*backend.put(parents, num_nodes)),
                 reference.tree_ancestor_bits(parents, num_nodes))
+
+
+@pytest.mark.parametrize("kind", ["random", "bushy", "star"])
+def test_ancestor_bits_at_the_node_limit(backend, kind):
+    """N = 8192 (128 words a row): the CUDA kernel builds 16 rows a block in shared memory and
+    writes them as one contiguous run; every row against the reference, on every backend."""
+    parents, num_nodes = random_batch(1, 8192, seed=9, kind=kind)
+    assert_same(backend.ops.tree_ancestor_bits(*backend.put(parents, num_nodes)),
+                reference.tree_ancestor_bits(parents, num_nodes))

@@ -186,64 +186,103 @@ DARTREE_DEVICE HeapEntry heap_pop(HeapEntry* heap, int& size) {
   return top;
 }
 
-inline int ddtree_requests_per_block(int budget) {
-  const size_t per_request = sizeof(HeapEntry) * static_cast<size_t>(budget + 1);
-  const size_t fit = (48 * 1024) / per_request;
-  return fit < 1 ? 1 : (fit > 32 ? 32 : static_cast<int>(fit));
+// One block (one warp) per request. The block first stages the request's candidates in shared
+// memory (log-probabilities, then token ids, as far as 48 KiB allow next to the heap), so the
+// sequential pop / push loop on thread 0 reads shared memory, not dependent global loads; the
+// node scores a push reads back live in shared memory too. After the loop every thread writes
+// the padding.
+constexpr int kDdtreeThreads = 32;
+
+struct DdtreeSharedLayout {
+  bool stage_lp, stage_ids;
+  size_t bytes;
+};
+
+inline DdtreeSharedLayout ddtree_shared_layout(int depth_max, int k, int budget) {
+  const size_t limit = 48 * 1024, candidates = static_cast<size_t>(depth_max) * k;
+  const size_t base = (sizeof(HeapEntry) + sizeof(float)) * static_cast<size_t>(budget + 1);
+  DdtreeSharedLayout layout{false, false, base};
+  if (layout.bytes + candidates * sizeof(float) <= limit) {
+    layout.stage_lp = true;
+    layout.bytes += candidates * sizeof(float);
+  }
+  if (layout.stage_lp && layout.bytes + candidates * sizeof(int64_t) <= limit) {
+    layout.stage_ids = true;
+    layout.bytes += candidates * sizeof(int64_t);
+  }
+  return layout;
 }
 
 __global__ void ddtree_heap_kernel(const float* logprobs, const int64_t* token_ids, const int64_t* root_tokens,
-                                   int batch, int depth_max, int k, int budget, int64_t* tokens, int32_t* parents,
-                                   int32_t* depths, float* scores, int32_t* num_nodes) {
-  DARTREE_DYNAMIC_SHARED(HeapEntry, s_heaps);
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= batch) return;
-  HeapEntry* heap = s_heaps + threadIdx.x * (budget + 1);
-  const float* lp = logprobs + static_cast<int64_t>(b) * depth_max * k;
-  const int64_t* ids = token_ids + static_cast<int64_t>(b) * depth_max * k;
+                                   int depth_max, int k, int budget, int stage_lp, int stage_ids, int64_t* tokens,
+                                   int32_t* parents, int32_t* depths, float* scores, int32_t* num_nodes) {
+  DARTREE_DYNAMIC_SHARED(HeapEntry, s_heap);  // layout: heap | token ids? | log-probs? | node scores
+  DARTREE_SHARED_ARRAY(int, s_count, 1);
+  const int b = blockIdx.x;
+  const int64_t candidates = static_cast<int64_t>(depth_max) * k;
+  const float* g_lp = logprobs + static_cast<int64_t>(b) * candidates;
+  const int64_t* g_ids = token_ids + static_cast<int64_t>(b) * candidates;
+  char* cursor = reinterpret_cast<char*>(s_heap + (budget + 1));
+  int64_t* s_ids = stage_ids ? reinterpret_cast<int64_t*>(cursor) : nullptr;
+  cursor += stage_ids ? candidates * static_cast<int64_t>(sizeof(int64_t)) : 0;
+  float* s_lp = stage_lp ? reinterpret_cast<float*>(cursor) : nullptr;
+  cursor += stage_lp ? candidates * static_cast<int64_t>(sizeof(float)) : 0;
+  float* s_score = reinterpret_cast<float*>(cursor);
+  for (int64_t i = threadIdx.x; i < candidates; i += blockDim.x) {
+    if (s_lp) s_lp[i] = g_lp[i];
+    if (s_ids) s_ids[i] = g_ids[i];
+  }
+  __syncthreads();
+  const float* lp = s_lp ? s_lp : g_lp;
+  const int64_t* ids = s_ids ? s_ids : g_ids;
   const int64_t base = static_cast<int64_t>(b) * (budget + 1);
   int64_t* out_tokens = tokens + base;
   int32_t* out_parents = parents + base;
   int32_t* out_depths = depths + base;
   float* out_scores = scores + base;
 
-  out_tokens[0] = root_tokens[b];
-  out_parents[0] = -1;
-  out_depths[0] = 0;
-  out_scores[0] = 0.0f;
-  int size = 0, seq = 0, count = 1;
-  if (budget > 0 && depth_max > 0 && k > 0) heap_push(heap, size, HeapEntry{lp[0], seq++, 0, (1 << 16)});
-  while (count <= budget && size > 0) {
-    const HeapEntry e = heap_pop(heap, size);
-    const int d = e.code >> 16, r = e.code & 0xffff;
-    const int node = count++;
-    out_tokens[node] = ids[(d - 1) * k + r];
-    out_parents[node] = e.parent;
-    out_depths[node] = d;
-    out_scores[node] = e.score;
-    if (count > budget) break;  // nothing pushed now could be popped
-    if (r + 1 < k)
-      heap_push(heap, size, HeapEntry{out_scores[e.parent] + lp[(d - 1) * k + r + 1], seq++, e.parent, (d << 16) | (r + 1)});
-    if (d < depth_max) heap_push(heap, size, HeapEntry{e.score + lp[d * k], seq++, node, ((d + 1) << 16)});
+  if (threadIdx.x == 0) {
+    out_tokens[0] = root_tokens[b];
+    out_parents[0] = -1;
+    out_depths[0] = 0;
+    out_scores[0] = 0.0f;
+    s_score[0] = 0.0f;
+    int size = 0, seq = 0, count = 1;
+    if (budget > 0 && depth_max > 0 && k > 0) heap_push(s_heap, size, HeapEntry{lp[0], seq++, 0, (1 << 16)});
+    while (count <= budget && size > 0) {
+      const HeapEntry e = heap_pop(s_heap, size);
+      const int d = e.code >> 16, r = e.code & 0xffff;
+      const int node = count++;
+      out_tokens[node] = ids[(d - 1) * k + r];
+      out_parents[node] = e.parent;
+      out_depths[node] = d;
+      out_scores[node] = e.score;
+      s_score[node] = e.score;
+      if (count > budget) break;  // nothing pushed now could be popped
+      if (r + 1 < k)
+        heap_push(s_heap, size, HeapEntry{s_score[e.parent] + lp[(d - 1) * k + r + 1], seq++, e.parent, (d << 16) | (r + 1)});
+      if (d < depth_max) heap_push(s_heap, size, HeapEntry{e.score + lp[d * k], seq++, node, ((d + 1) << 16)});
+    }
+    s_count[0] = count;
+    num_nodes[b] = count;
   }
-  for (int i = count; i <= budget; ++i) {
+  __syncthreads();
+  for (int i = s_count[0] + static_cast<int>(threadIdx.x); i <= budget; i += blockDim.x) {
     out_tokens[i] = 0;
     out_parents[i] = -1;
     out_depths[i] = -1;
     out_scores[i] = kNegInf;
   }
-  num_nodes[b] = count;
 }
 
 void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64_t* root_tokens, int batch,
                                int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
                                float* scores, int32_t* num_nodes, cudaStream_t stream) {
   if (batch == 0) return;
-  const int per_block = ddtree_requests_per_block(budget);
-  const dim3 grid(static_cast<unsigned>((batch + per_block - 1) / per_block));
-  const size_t shared = sizeof(HeapEntry) * static_cast<size_t>(budget + 1) * per_block;
-  DARTREE_LAUNCH(ddtree_heap_kernel, grid, dim3(static_cast<unsigned>(per_block)), shared, stream, logprobs, token_ids,
-                 root_tokens, batch, depth_max, k, budget, tokens, parents, depths, scores, num_nodes);
+  const DdtreeSharedLayout layout = ddtree_shared_layout(depth_max, k, budget);
+  DARTREE_LAUNCH(ddtree_heap_kernel, dim3(static_cast<unsigned>(batch)), dim3(kDdtreeThreads), layout.bytes, stream,
+                 logprobs, token_ids, root_tokens, depth_max, k, budget, layout.stage_lp ? 1 : 0,
+                 layout.stage_ids ? 1 : 0, tokens, parents, depths, scores, num_nodes);
 }
 
 }  // namespace kernels

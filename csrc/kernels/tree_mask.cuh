@@ -22,47 +22,59 @@ DARTREE_DEVICE void load_parents(const int32_t* parents, int n, int end, Index* 
   for (int i = threadIdx.x; i < end; i += blockDim.x) s_parent[i] = static_cast<Index>(sanitized_parent(parents, i, n));
 }
 
-// grid (ceil(N / threads), B). One thread per row: the root path visits strictly decreasing
-// indices, so the row's 64-bit words are produced high to low, each written exactly once.
+// Rows per block of tree_ancestor_bits: their words (at most kAncestorSharedWords 64-bit words)
+// are built in shared memory and written out as one contiguous, coalesced run.
+constexpr int kAncestorSharedWords = 2048;
+
+DARTREE_HOST_DEVICE int ancestor_rows_per_block(int n_max) {
+  const int rows = kAncestorSharedWords / words_for(n_max);
+  return rows < 1 ? 1 : (rows > kAncestorThreads ? kAncestorThreads : rows);
+}
+
+// grid (ceil(N / R), B), R = ancestor_rows_per_block(N). A thread per row walks its root path
+// (parents staged in shared memory as int16) and sets the row's bits in shared memory; then the
+// block writes its R rows, which are contiguous in the output, with consecutive threads writing
+// consecutive words.
 __global__ void tree_ancestor_bits_kernel(const int32_t* parents, const int32_t* num_nodes, int n_max,
                                           uint64_t* bits, int32_t* depths) {
-  DARTREE_DYNAMIC_SHARED(int32_t, s_parent);
+  DARTREE_DYNAMIC_SHARED(uint64_t, s_rows);
+  const int words = words_for(n_max);
+  const int rows_per_block = ancestor_rows_per_block(n_max);
+  int16_t* s_parent = reinterpret_cast<int16_t*>(s_rows + static_cast<int64_t>(rows_per_block) * words);
   const int b = blockIdx.y;
   const int n = sanitized_count(num_nodes[b], n_max);
-  const int words = words_for(n_max);
-  const int row_begin = blockIdx.x * blockDim.x;
-  const int row_end = min_int(row_begin + blockDim.x, n_max);
-  load_parents(parents + static_cast<int64_t>(b) * n_max, n, min_int(row_end, n), s_parent);
+  const int row_begin = blockIdx.x * rows_per_block;
+  const int rows = min_int(rows_per_block, n_max - row_begin);
+  load_parents(parents + static_cast<int64_t>(b) * n_max, n, min_int(row_begin + rows, n), s_parent);
+  for (int w = threadIdx.x; w < rows * words; w += blockDim.x) s_rows[w] = 0;
   __syncthreads();
 
-  const int i = row_begin + threadIdx.x;
-  if (i >= n_max) return;
-  const int64_t row_index = static_cast<int64_t>(b) * n_max + i;
-  uint64_t* row = bits + row_index * words;
-  if (i >= n) {  // padding: only itself, depth -1
-    for (int w = 0; w < words; ++w) row[w] = (w == (i >> 6)) ? (1ull << (i & 63)) : 0ull;
-    depths[row_index] = -1;
-    return;
-  }
-  int node = i;
-  int depth = -1;
-  for (int w = words - 1; w >= 0; --w) {
-    uint64_t acc = 0;
-    while (node >= 0 && (node >> 6) == w) {
-      acc |= 1ull << (node & 63);
-      node = s_parent[node];
-      ++depth;
+  if (static_cast<int>(threadIdx.x) < rows) {
+    const int i = row_begin + threadIdx.x;
+    uint64_t* row = s_rows + static_cast<int64_t>(threadIdx.x) * words;
+    int depth = -1;
+    if (i < n) {
+      for (int node = i; node >= 0; node = s_parent[node]) {
+        row[node >> 6] |= 1ull << (node & 63);
+        ++depth;
+      }
+    } else {
+      row[i >> 6] = 1ull << (i & 63);  // padding: only itself, depth -1
     }
-    row[w] = acc;
+    depths[static_cast<int64_t>(b) * n_max + i] = depth;
   }
-  depths[row_index] = depth;
+  __syncthreads();
+  uint64_t* out = bits + (static_cast<int64_t>(b) * n_max + row_begin) * words;
+  for (int w = threadIdx.x; w < rows * words; w += blockDim.x) out[w] = s_rows[w];
 }
 
 void launch_tree_ancestor_bits(const int32_t* parents, const int32_t* num_nodes, int batch, int n_max,
                                       uint64_t* bits, int32_t* depths, cudaStream_t stream) {
   if (batch == 0 || n_max == 0) return;
-  const dim3 grid(static_cast<unsigned>((n_max + kAncestorThreads - 1) / kAncestorThreads), static_cast<unsigned>(batch));
-  const size_t shared = sizeof(int32_t) * static_cast<size_t>(n_max);
+  const int rows = ancestor_rows_per_block(n_max);
+  const dim3 grid(static_cast<unsigned>((n_max + rows - 1) / rows), static_cast<unsigned>(batch));
+  const size_t shared = sizeof(uint64_t) * static_cast<size_t>(rows) * words_for(n_max) +
+                        sizeof(int16_t) * static_cast<size_t>(n_max);
   DARTREE_LAUNCH(tree_ancestor_bits_kernel, grid, dim3(kAncestorThreads), shared, stream, parents, num_nodes, n_max,
                  bits, depths);
 }
