@@ -32,6 +32,7 @@ _SIGNATURES = {
     "emu_exit_then_barrier": [_P],
     "emu_block_order": [_I, _P, _P],
     "emu_exit_then_shuffle": [_P],
+    "emu_shared_write": [_I, _I, _I, _P],
     "emu_launch_shape": [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                          ctypes.c_int64, _P],
     "emu_tree_ancestor_bits": [_P, _P, _I, _I, _P, _P],

@@ -91,6 +91,26 @@ def test_shuffle_with_an_exited_lane_is_an_error(emu):
         emu.call("emu_exit_then_shuffle", _ptr(torch.zeros(32, dtype=torch.int32)))
 
 
+@pytest.mark.parametrize("where, count, offset, match", [
+    (0, 10, 10, "byte 40 of the dynamic shared memory \\(40 bytes\\)"),   # one past the end
+    (0, 10, -1, "byte -4 of the dynamic shared memory"),                   # just before the start
+    (0, 0, 0, "byte 0 of the dynamic shared memory \\(0 bytes\\)"),     # none was asked for
+    (1, 0, 33, "byte 132 of a static shared array \\(132 bytes\\)"),
+])
+def test_shared_memory_out_of_bounds_write_is_an_error(emu, where, count, offset, match):
+    """Guard zones around every shared array catch a write outside it (after the block ran)."""
+    out = torch.zeros(64, dtype=torch.int32)  # alive through the call: the kernel writes it
+    with pytest.raises(RuntimeError, match=match):
+        emu.call("emu_shared_write", where, count, offset, _ptr(out))
+
+
+@pytest.mark.parametrize("where, count, offset", [(0, 10, 9), (0, 10, 0), (1, 0, 32)])
+def test_shared_memory_writes_in_bounds_pass(emu, where, count, offset):
+    out = torch.zeros(64, dtype=torch.int32)
+    emu.call("emu_shared_write", where, count, offset, _ptr(out))
+    assert out[:32].sum() == 32  # both blocks ran to the end
+
+
 @pytest.mark.parametrize("shape, match", [
     ((1, 70000, 1, 32, 1, 1, 0), "gridDim.y = 70000"),
     ((1, 1, 0, 32, 1, 1, 0), "gridDim.z = 0"),

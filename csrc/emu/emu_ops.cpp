@@ -84,6 +84,19 @@ __global__ void exit_then_shuffle_kernel(int32_t* out) {
   out[threadIdx.x] = __shfl_xor_sync(dartree::kernels::kFullWarpMask, static_cast<int>(threadIdx.x), 1);
 }
 
+// Writes shared memory at `offset` (in ints) of a `count`-int dynamic array (where = 0) or of a
+// 33-int static array (where = 1): out of bounds for offset < 0 or >= the array's length.
+__global__ void shared_write_kernel(int where, int offset, int32_t* out) {
+  DARTREE_DYNAMIC_SHARED(int32_t, s_dynamic);
+  DARTREE_SHARED_ARRAY(int32_t, s_static, 33);
+  if (threadIdx.x == 0) {
+    if (where == 0) s_dynamic[offset] = 7;
+    else s_static[offset] = 7;
+  }
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
 // Each block appends its index to `order` (one thread per block): the order blocks ran in.
 __global__ void block_order_kernel(int32_t* order, int32_t* count) {
   if (threadIdx.x == 0) order[atomicAdd(count, 1)] = static_cast<int32_t>(blockIdx.x);
@@ -130,6 +143,13 @@ int emu_warp_primitives(const int32_t* values, int threads, int32_t* warp_sums, 
 
 int emu_block_order(int blocks, int32_t* order, int32_t* count) {
   return guarded([&] { DARTREE_LAUNCH(block_order_kernel, dim3(blocks), dim3(32), 0, nullptr, order, count); });
+}
+
+int emu_shared_write(int where, int count, int offset, int32_t* out) {
+  return guarded([&] {
+    DARTREE_LAUNCH(shared_write_kernel, dim3(2), dim3(32), sizeof(int32_t) * static_cast<size_t>(count), nullptr,
+                   where, offset, out);
+  });
 }
 
 int emu_exit_then_barrier(int32_t* out) {

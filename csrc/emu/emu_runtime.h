@@ -51,6 +51,10 @@ namespace dartree_emu {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned char kSharedPoison = 0xFF;
+// Guard zones around every shared-memory array (dynamic and static): filled with kSharedCanary
+// before each block, checked after it; a changed byte is an out-of-bounds shared-memory write.
+constexpr size_t kSharedGuardBytes = 256;
+constexpr unsigned char kSharedCanary = 0xA5;
 constexpr size_t kFiberStackBytes = 128 * 1024;
 constexpr unsigned kMaxThreadsPerBlock = 1024;
 // What a block gets without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize, which no
@@ -180,13 +184,41 @@ inline bool release_barriers(Runtime& rt) {
   return released;
 }
 
+// The shared-memory buffers of the current launch, guards included.
+inline std::vector<std::vector<unsigned char>*> shared_regions(Runtime& rt) {
+  std::vector<std::vector<unsigned char>*> regions{&rt.dynamic_shared};
+  for (auto& kv : rt.static_shared) regions.push_back(&kv.second);
+  return regions;
+}
+
+inline void check_shared_guards(Runtime& rt) {
+  auto regions = shared_regions(rt);
+  for (size_t r = 0; r < regions.size(); ++r) {
+    const auto& bytes = *regions[r];
+    const size_t payload = bytes.size() - 2 * kSharedGuardBytes;
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (i >= kSharedGuardBytes && i < kSharedGuardBytes + payload) continue;
+      if (bytes[i] == kSharedCanary) continue;
+      const long long offset = i < kSharedGuardBytes ? static_cast<long long>(i) - static_cast<long long>(kSharedGuardBytes)
+                                                     : static_cast<long long>(i - kSharedGuardBytes);
+      rt.error = std::string("shared memory written out of bounds: byte ") + std::to_string(offset) + " of " +
+                 (r == 0 ? "the dynamic shared memory" : "a static shared array") + " (" + std::to_string(payload) +
+                 " bytes), in block (" + std::to_string(rt.block_idx.x) + ", " + std::to_string(rt.block_idx.y) +
+                 ", " + std::to_string(rt.block_idx.z) + ")";
+      return;
+    }
+  }
+}
+
 inline void run_block(Runtime& rt) {
   const unsigned nthreads = rt.block.x * rt.block.y * rt.block.z;
   rt.fibers.assign(nthreads, Fiber{});
   while (rt.stacks.size() < nthreads) rt.stacks.emplace_back(new char[kFiberStackBytes]);
   rt.exchange.assign(nthreads, 0);
-  std::memset(rt.dynamic_shared.data(), kSharedPoison, rt.dynamic_shared.size());
-  for (auto& kv : rt.static_shared) std::memset(kv.second.data(), kSharedPoison, kv.second.size());
+  for (auto* region : shared_regions(rt)) {
+    std::memset(region->data(), kSharedCanary, region->size());
+    std::memset(region->data() + kSharedGuardBytes, kSharedPoison, region->size() - 2 * kSharedGuardBytes);
+  }
   for (unsigned t = 0; t < nthreads; ++t) {
     Fiber& f = rt.fibers[t];
     f.linear = t;
@@ -212,7 +244,10 @@ inline void run_block(Runtime& rt) {
     }
     bool all_done = true;
     for (const Fiber& f : rt.fibers) all_done = all_done && f.state == FiberState::kDone;
-    if (all_done) return;
+    if (all_done) {
+      check_shared_guards(rt);
+      return;
+    }
     const bool released = release_barriers(rt);
     if (!rt.error.empty()) return;  // a misused barrier or collective (the fibers are abandoned)
     if (!released && !ran) {
@@ -245,7 +280,7 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
   rt.grid = grid;
   rt.block = block;
   rt.body = &body;
-  rt.dynamic_shared.assign(dynamic_shared_bytes, kSharedPoison);
+  rt.dynamic_shared.assign(dynamic_shared_bytes + 2 * kSharedGuardBytes, kSharedPoison);
   rt.static_shared.clear();
   rt.static_shared_bytes = 0;
   rt.error.clear();
@@ -281,11 +316,14 @@ T* static_shared_array(const void* key, size_t count) {
   auto it = rt.static_shared.find(key);
   if (it == rt.static_shared.end()) {
     rt.static_shared_bytes += sizeof(T) * count;
-    if (rt.static_shared_bytes + rt.dynamic_shared.size() > kMaxSharedBytes)
+    if (rt.static_shared_bytes + rt.dynamic_shared.size() - 2 * kSharedGuardBytes > kMaxSharedBytes)
       throw std::runtime_error("emulated kernel: shared memory exceeds the device limit");
-    it = rt.static_shared.emplace(key, std::vector<unsigned char>(sizeof(T) * count, kSharedPoison)).first;
+    std::vector<unsigned char> bytes(sizeof(T) * count + 2 * kSharedGuardBytes, kSharedPoison);
+    std::memset(bytes.data(), kSharedCanary, kSharedGuardBytes);
+    std::memset(bytes.data() + bytes.size() - kSharedGuardBytes, kSharedCanary, kSharedGuardBytes);
+    it = rt.static_shared.emplace(key, std::move(bytes)).first;
   }
-  return reinterpret_cast<T*>(it->second.data());
+  return reinterpret_cast<T*>(it->second.data() + kSharedGuardBytes);
 }
 
 // Warp exchange: every live lane publishes a value, waits for the warp, reads, waits again so the
@@ -386,6 +424,6 @@ template <typename T> T atomicCAS(T* a, T compare, T v) { T old = *a; if (old ==
   static char name##_shared_key_;            \
   T* name = ::dartree_emu::static_shared_array<T>(&name##_shared_key_, (count))
 #define DARTREE_DYNAMIC_SHARED(T, name) \
-  T* name = reinterpret_cast<T*>(::dartree_emu::runtime().dynamic_shared.data())
+  T* name = reinterpret_cast<T*>(::dartree_emu::runtime().dynamic_shared.data() + ::dartree_emu::kSharedGuardBytes)
 #define DARTREE_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
   ((void)(stream), ::dartree_emu::launch((grid), (block), (shared_bytes), [=]() { kernel(__VA_ARGS__); }))
