@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "../op_utils.h"
+#include "../checks/expand.h"
 #include "vec_math.h"
 
 namespace dartree {

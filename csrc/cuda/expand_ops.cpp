@@ -8,8 +8,8 @@
 
 #include <algorithm>
 
+#include "../checks/expand.h"
 #include "../kernels/launchers.h"
-#include "../op_utils.h"
 
 namespace dartree {
 namespace {

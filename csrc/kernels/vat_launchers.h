@@ -1,7 +1,7 @@
 // Host entry points of the VAT-loss device code (csrc/kernels/vat.cuh), with the same rules as
 // launchers.h: plain pointers and a stream, asynchronous, no synchronization, no allocation. Kept
-// out of launchers.h (which every op's .cpp includes through op_utils.h) so that a change to the
-// VAT launchers rebuilds only the VAT files.
+// out of launchers.h (which every op's .cpp includes through csrc/checks/common.h) so that a
+// change to the VAT launchers rebuilds only the VAT files.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
-// Input validation of the VAT-loss ops, shared by the CPU and CUDA implementations (kept out of
-// op_utils.h so that VAT changes rebuild only the VAT files).
+// Input validation of the VAT-loss ops, shared by the CPU and CUDA implementations (kept apart
+// from the other areas' checks so that VAT changes rebuild only the VAT files).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <optional>
 
-#include "kernels/vat_launchers.h"
-#include "op_utils.h"
+#include "../kernels/vat_launchers.h"
+#include "common.h"
 
 namespace dartree {
 
