@@ -107,7 +107,7 @@ class EmulatedOps:
         self.lib.emu_last_error.restype = ctypes.c_char_p
         self.lib.emu_struct_sizes.restype = ctypes.c_size_t
         self.lib.emu_struct_sizes.argtypes = [_I]
-        for which, mirror in enumerate((ExpandHead, ExpandInputs, ExpandOutputs, SupertreeArgs)):
+        for which, mirror in enumerate((HeadWeightPtrs, ExpandInputs, ExpandOutputs, SupertreeArgs)):
             if self.lib.emu_struct_sizes(which) != ctypes.sizeof(mirror):
                 raise RuntimeError(f"ctypes mirror {mirror.__name__} does not match csrc/kernels/launchers.h")
         self.set_schedule(schedule, seed)
@@ -247,7 +247,7 @@ class EmulatedOps:
                                                             head.w_hh, head.b_hh)
         batch, k = cand_ids.shape
         p_max, g = parent_states.shape[1], w_s.shape[1]
-        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
         inputs = ExpandInputs(z.data_ptr(), z.shape[1], cand_ids.data_ptr(), cand_base.data_ptr(), k,
                               parent_states.data_ptr(), parent_scores.data_ptr(), p_max, num_parents.data_ptr(),
                               batch, p_max, k, width, depth_bonus)
@@ -271,7 +271,7 @@ class EmulatedOps:
         widths = depth_widths(width, depth, exact=True)
         g = w_s.shape[1]
         total, max_width = sum(widths), max(widths)
-        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
         width_array = (ctypes.c_int64 * depth)(*widths)
         states = [torch.empty(batch, max_width, g), torch.empty(batch, max_width, g)]
         states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
@@ -312,7 +312,7 @@ class EmulatedVatKernels:
 _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-class ExpandHead(ctypes.Structure):
+class HeadWeightPtrs(ctypes.Structure):
     _fields_ = [("dtype", ctypes.c_int), ("w_s", _P), ("fc2_weight", _P), ("fc2_bias", _P), ("gru_table", _P),
                 ("w_hh", _P), ("b_hh", _P), ("e", _I), ("g", _I), ("v", ctypes.c_int64)]
 
@@ -342,9 +342,9 @@ def _expand_workspace_floats(batch, p_max, k, width, e, g) -> int:
     return batch * (p_max * k + p_max * e + width * g)
 
 
-def _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> ExpandHead:
+def _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> HeadWeightPtrs:
     def ptr(t):
         return None if t is None else t.data_ptr()
-    return ExpandHead(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
-                      gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
-                      fc2_weight.shape[0])
+    return HeadWeightPtrs(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
+                          gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
+                          fc2_weight.shape[0])

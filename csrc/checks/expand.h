@@ -9,8 +9,9 @@
 
 namespace dartree {
 
-// The correction head's weights, as the expand ops take them.
-struct ExpandWeights {
+// The correction head's weights as torch tensors (Python's CorrectionHeadWeights), as the expand
+// ops take them; kernels::HeadWeightPtrs (kernels/launchers.h) is the plain-pointer form.
+struct HeadWeights {
   const at::Tensor& w_s;         // [E, G]
   const at::Tensor& fc2_weight;  // [V, E]
   const std::optional<at::Tensor>& fc2_bias;  // [V]
@@ -19,7 +20,7 @@ struct ExpandWeights {
   const std::optional<at::Tensor>& b_hh;      // [3G]
 };
 
-inline void check_expand_weights(const char* op, const ExpandWeights& w, const at::Tensor& device_of) {
+inline void check_expand_weights(const char* op, const HeadWeights& w, const at::Tensor& device_of) {
   const at::ScalarType dtype = w.w_s.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               ": the head's weights must be float32, bfloat16 or float16, got ", dtype);
@@ -59,7 +60,7 @@ inline void check_expand_cuda_shared(const char* op, int64_t k, int64_t p_max, i
                     ", W = ", width);
 }
 
-inline void check_expand_depth_inputs(const ExpandWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
+inline void check_expand_depth_inputs(const HeadWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
                                       const at::Tensor& cand_base, const at::Tensor& parent_states,
                                       const at::Tensor& parent_scores, const at::Tensor& num_parents, int64_t width) {
   const char* op = "expand_depth";
@@ -92,7 +93,7 @@ inline void check_expand_depth_inputs(const ExpandWeights& w, const at::Tensor& 
   if (z.is_cuda()) check_expand_cuda_shared(op, cand_ids.size(1), parent_states.size(1), width);
 }
 
-inline void check_build_supertree_inputs(const ExpandWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
+inline void check_build_supertree_inputs(const HeadWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
                                          const at::Tensor& cand_base, const at::Tensor& root_state,
                                          at::IntArrayRef widths) {
   const char* op = "build_supertree";
