@@ -210,14 +210,14 @@ class EmulatedOps:
         stat = torch.float64 if draft.dtype == torch.float64 else torch.float32
         ce_soft, ce_hard, draft_lse, target_lse = (torch.empty(rows, dtype=stat) for _ in range(4))
         accept = torch.empty(rows, dtype=torch.float32)
-        self.call("emu_vat_row_forward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+        self.call("emu_vat_row_forward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
                   None if uniforms is None else _ptr(uniforms), rows, draft.shape[1], temperature, _ptr(ce_soft),
                   _ptr(ce_hard), _ptr(draft_lse), _ptr(target_lse), _ptr(accept))
         return ce_soft, ce_hard, accept, draft_lse, target_lse
 
     def vat_row_backward(self, g_q, g_p, g_y, draft, target, tokens, draft_lse, target_lse):
         grad = torch.empty_like(draft)
-        self.call("emu_vat_row_backward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+        self.call("emu_vat_row_backward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
                   _ptr(draft_lse), _ptr(target_lse), _ptr(g_q), _ptr(g_p), _ptr(g_y), draft.shape[0], draft.shape[1],
                   _ptr(grad))
         return grad
@@ -290,7 +290,8 @@ class EmulatedOps:
         return tokens, parents, depths, scores
 
 
-_VAT_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+# csrc/kernels/elem_type.h's ElemType; the expand launchers take the first three, the VAT ones all four
+_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _VAT_DEFAULTS = dict(rule="greedy", temperature=1.0, schedule="vat", decay_gamma=7.0, vh_weight=1.0, generator=None,
                      check_finite=True)
 
@@ -309,7 +310,7 @@ class EmulatedVatKernels:
         return RowForwardFunction.apply(self, draft, target, tokens, uniforms, temperature)
 
 
-_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_HEAD_ELEM_TYPES = {dtype: code for dtype, code in _ELEM_TYPES.items() if dtype != torch.float64}
 
 
 class HeadWeightPtrs(ctypes.Structure):
@@ -345,6 +346,6 @@ def _expand_workspace_floats(batch, p_max, k, width, e, g) -> int:
 def _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> HeadWeightPtrs:
     def ptr(t):
         return None if t is None else t.data_ptr()
-    return HeadWeightPtrs(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
+    return HeadWeightPtrs(_HEAD_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
                           gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
                           fc2_weight.shape[0])

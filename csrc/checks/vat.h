@@ -13,15 +13,15 @@
 
 namespace dartree {
 
-inline kernels::VatElem vat_elem(const char* op, const char* name, at::ScalarType dtype) {
+inline kernels::ElemType vat_elem(const char* op, const char* name, at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat: return kernels::VatElem::kFloat32;
-    case at::kBFloat16: return kernels::VatElem::kBFloat16;
-    case at::kHalf: return kernels::VatElem::kFloat16;
-    case at::kDouble: return kernels::VatElem::kFloat64;
+    case at::kFloat: return kernels::ElemType::kFloat32;
+    case at::kBFloat16: return kernels::ElemType::kBFloat16;
+    case at::kHalf: return kernels::ElemType::kFloat16;
+    case at::kDouble: return kernels::ElemType::kFloat64;
     default: TORCH_CHECK(false, op, ": ", name, " must be float32, bfloat16, float16 or float64, got ", dtype);
   }
-  return kernels::VatElem::kFloat32;
+  return kernels::ElemType::kFloat32;
 }
 
 // float64 statistics for float64 logits, float32 otherwise.

@@ -274,7 +274,7 @@ int emu_vat_row_forward(int dtype, const void* draft, const void* target, const 
                         void* ce_hard, void* draft_lse, void* target_lse, float* accept) {
   return guarded([&] {
     if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
-    dartree::kernels::launch_vat_row_forward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+    dartree::kernels::launch_vat_row_forward(static_cast<dartree::kernels::ElemType>(dtype), draft, target, tokens,
                                              uniforms, rows, vocab, temperature, ce_soft, ce_hard, draft_lse,
                                              target_lse, accept, nullptr);
   });
@@ -285,7 +285,7 @@ int emu_vat_row_backward(int dtype, const void* draft, const void* target, const
                          const void* g_y, int64_t rows, int64_t vocab, void* grad_draft) {
   return guarded([&] {
     if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
-    dartree::kernels::launch_vat_row_backward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+    dartree::kernels::launch_vat_row_backward(static_cast<dartree::kernels::ElemType>(dtype), draft, target, tokens,
                                               draft_lse, target_lse, g_q, g_p, g_y, rows, vocab, grad_draft, nullptr);
   });
 }

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "elem_type.h"
+
 struct CUstream_st;
 typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's own definition
 
@@ -73,10 +75,8 @@ void launch_compact_kv_paged(const PagedKvCaches& caches, int unit_bytes, int ba
                              const int64_t* dst_start, const int32_t* lengths, int l_max, cudaStream_t stream);
 
 // expand area: DARTree's depth-wise expansion with a GRU correction head (kernels/expand.cuh).
-enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
 // The correction head's weights as plain pointers (the data of dartree::HeadWeights), as the
-// launchers take them: all of `dtype`, contiguous.
+// launchers take them: all of `dtype` (float32, bfloat16 or float16), contiguous.
 struct HeadWeightPtrs {
   ElemType dtype;
   const void* w_s;         // [E, G]
