@@ -107,7 +107,7 @@ class EmulatedOps:
         self.lib.emu_last_error.restype = ctypes.c_char_p
         self.lib.emu_struct_sizes.restype = ctypes.c_size_t
         self.lib.emu_struct_sizes.argtypes = [_I]
-        for which, mirror in enumerate((ExpandHead, ExpandInputs, ExpandOutputs, SupertreeArgs)):
+        for which, mirror in enumerate((HeadWeightPtrs, ExpandInputs, ExpandOutputs, SupertreeArgs)):
             if self.lib.emu_struct_sizes(which) != ctypes.sizeof(mirror):
                 raise RuntimeError(f"ctypes mirror {mirror.__name__} does not match csrc/kernels/launchers.h")
         self.set_schedule(schedule, seed)
@@ -210,14 +210,14 @@ class EmulatedOps:
         stat = torch.float64 if draft.dtype == torch.float64 else torch.float32
         ce_soft, ce_hard, draft_lse, target_lse = (torch.empty(rows, dtype=stat) for _ in range(4))
         accept = torch.empty(rows, dtype=torch.float32)
-        self.call("emu_vat_row_forward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+        self.call("emu_vat_row_forward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
                   None if uniforms is None else _ptr(uniforms), rows, draft.shape[1], temperature, _ptr(ce_soft),
                   _ptr(ce_hard), _ptr(draft_lse), _ptr(target_lse), _ptr(accept))
         return ce_soft, ce_hard, accept, draft_lse, target_lse
 
     def vat_row_backward(self, g_q, g_p, g_y, draft, target, tokens, draft_lse, target_lse):
         grad = torch.empty_like(draft)
-        self.call("emu_vat_row_backward", _VAT_ELEM[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
+        self.call("emu_vat_row_backward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
                   _ptr(draft_lse), _ptr(target_lse), _ptr(g_q), _ptr(g_p), _ptr(g_y), draft.shape[0], draft.shape[1],
                   _ptr(grad))
         return grad
@@ -247,7 +247,7 @@ class EmulatedOps:
                                                             head.w_hh, head.b_hh)
         batch, k = cand_ids.shape
         p_max, g = parent_states.shape[1], w_s.shape[1]
-        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
         inputs = ExpandInputs(z.data_ptr(), z.shape[1], cand_ids.data_ptr(), cand_base.data_ptr(), k,
                               parent_states.data_ptr(), parent_scores.data_ptr(), p_max, num_parents.data_ptr(),
                               batch, p_max, k, width, depth_bonus)
@@ -271,7 +271,7 @@ class EmulatedOps:
         widths = depth_widths(width, depth, exact=True)
         g = w_s.shape[1]
         total, max_width = sum(widths), max(widths)
-        head = _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
         width_array = (ctypes.c_int64 * depth)(*widths)
         states = [torch.empty(batch, max_width, g), torch.empty(batch, max_width, g)]
         states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
@@ -290,7 +290,8 @@ class EmulatedOps:
         return tokens, parents, depths, scores
 
 
-_VAT_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+# csrc/kernels/elem_type.h's ElemType; the expand launchers take the first three, the VAT ones all four
+_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _VAT_DEFAULTS = dict(rule="greedy", temperature=1.0, schedule="vat", decay_gamma=7.0, vh_weight=1.0, generator=None,
                      check_finite=True)
 
@@ -309,10 +310,10 @@ class EmulatedVatKernels:
         return RowForwardFunction.apply(self, draft, target, tokens, uniforms, temperature)
 
 
-_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_HEAD_ELEM_TYPES = {dtype: code for dtype, code in _ELEM_TYPES.items() if dtype != torch.float64}
 
 
-class ExpandHead(ctypes.Structure):
+class HeadWeightPtrs(ctypes.Structure):
     _fields_ = [("dtype", ctypes.c_int), ("w_s", _P), ("fc2_weight", _P), ("fc2_bias", _P), ("gru_table", _P),
                 ("w_hh", _P), ("b_hh", _P), ("e", _I), ("g", _I), ("v", ctypes.c_int64)]
 
@@ -342,9 +343,9 @@ def _expand_workspace_floats(batch, p_max, k, width, e, g) -> int:
     return batch * (p_max * k + p_max * e + width * g)
 
 
-def _expand_head(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> ExpandHead:
+def _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> HeadWeightPtrs:
     def ptr(t):
         return None if t is None else t.data_ptr()
-    return ExpandHead(_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
-                      gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
-                      fc2_weight.shape[0])
+    return HeadWeightPtrs(_HEAD_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
+                          gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
+                          fc2_weight.shape[0])

@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "../op_utils.h"
+#include "../checks/expand.h"
 #include "vec_math.h"
 
 namespace dartree {
@@ -38,16 +38,16 @@ struct Scored {
   bool operator<(const Scored& o) const { return score > o.score || (score == o.score && index < o.index); }
 };
 
-// The head's small matrices as float32 (no copy when they already are), transposed as views: BLAS
-// takes the transposed operand as is. fc2 and gru_table stay as they are: only the K candidate
-// rows (and the chosen tokens' rows) are ever read.
-struct CpuHead {
+// HeadWeights prepared for the CPU: the head's small matrices as float32 (no copy when they already
+// are), transposed as views: BLAS takes the transposed operand as is. fc2 and gru_table stay as
+// they are: only the K candidate rows (and the chosen tokens' rows) are ever read.
+struct CpuHeadWeights {
   at::Tensor w_s_t;   // [G, E]
   at::Tensor w_hh_t;  // [G, 3G]
   at::Tensor b_hh;    // [3G] or undefined
-  const ExpandWeights& weights;
+  const HeadWeights& weights;
 
-  explicit CpuHead(const ExpandWeights& w)
+  explicit CpuHeadWeights(const HeadWeights& w)
       : w_s_t(w.w_s.to(at::kFloat).t()),
         w_hh_t(w.w_hh.to(at::kFloat).t()),
         b_hh(w.b_hh.has_value() ? w.b_hh->to(at::kFloat) : at::Tensor()),
@@ -69,12 +69,12 @@ struct DepthOut {  // the depth's W children of request b sit at `stride * b` fr
 // the gate math run in parallel passes. Returns the children's states [B, W, G] (undefined when
 // `need_states` is false: the last depth's children are never expanded) and writes each request's
 // child count.
-at::Tensor expand_batch(const CpuHead& head, const at::Tensor& z, const at::Tensor& cand_ids, const at::Tensor& cand_base,
-                        const at::Tensor& states, const float* parent_scores, int64_t parent_score_stride,
-                        const int32_t* num_parents, int64_t width, float depth_bonus, const DepthOut& out,
-                        int32_t* num_children, bool need_states = true) {
+at::Tensor expand_batch(const CpuHeadWeights& head, const at::Tensor& z, const at::Tensor& cand_ids,
+                        const at::Tensor& cand_base, const at::Tensor& states, const float* parent_scores,
+                        int64_t parent_score_stride, const int32_t* num_parents, int64_t width, float depth_bonus,
+                        const DepthOut& out, int32_t* num_children, bool need_states = true) {
   const int64_t batch = states.size(0), p_max = states.size(1), g = states.size(2), k = cand_ids.size(1);
-  const ExpandWeights& w = head.weights;
+  const HeadWeights& w = head.weights;
   const at::Tensor ids_c = cand_ids.contiguous();
   at::Tensor hidden = at::matmul(states, head.w_s_t);  // [B, P, E]
   hidden.add_(z.to(at::kFloat).unsqueeze(1));
@@ -187,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
     const at::Tensor& parent_scores, const at::Tensor& num_parents, const at::Tensor& w_s, const at::Tensor& fc2_weight,
     const std::optional<at::Tensor>& fc2_bias, const at::Tensor& gru_table, const at::Tensor& w_hh,
     const std::optional<at::Tensor>& b_hh, int64_t width, double depth_bonus) {
-  const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
+  const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_expand_depth_inputs(weights, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width);
   check_cand_ids_cpu("expand_depth", cand_ids, fc2_weight.size(0));
   const int64_t batch = z.size(0), p_max = parent_states.size(1);
@@ -202,8 +202,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
   std::vector<int32_t> num_children(batch);
   const DepthOut out{parent_idx.data_ptr<int32_t>(), child_k.data_ptr<int32_t>(), scores.data_ptr<float>(),
                      tokens.data_ptr<int64_t>(), nullptr, width, 0, 0};
-  at::Tensor states = expand_batch(CpuHead(weights), z, cand_ids, cand_base, parent_states, parent_scores.data_ptr<float>(),
-                                   p_max, counts, width, static_cast<float>(depth_bonus), out, num_children.data());
+  at::Tensor states = expand_batch(CpuHeadWeights(weights), z, cand_ids, cand_base, parent_states,
+                                   parent_scores.data_ptr<float>(), p_max, counts, width,
+                                   static_cast<float>(depth_bonus), out, num_children.data());
   return {parent_idx, child_k, scores, tokens, states};
 }
 
@@ -212,12 +213,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cpu(
     const at::Tensor& w_s, const at::Tensor& fc2_weight, const std::optional<at::Tensor>& fc2_bias,
     const at::Tensor& gru_table, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_hh, at::IntArrayRef widths,
     double depth_bonus) {
-  const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
+  const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
   check_cand_ids_cpu("build_supertree", cand_ids, fc2_weight.size(0));
   const int64_t batch = z.size(0), depth = z.size(1);
   auto [tokens, parents, depths, scores, total] = allocate_supertree(cand_ids, widths);
-  const CpuHead head(weights);
+  const CpuHeadWeights head(weights);
   at::Tensor states = root_state.to(at::kFloat).unsqueeze(1).contiguous();  // [B, 1, G]
   const std::vector<float> root_scores(batch, 0.0f);
   std::vector<int32_t> counts[2] = {std::vector<int32_t>(batch, 1), std::vector<int32_t>(batch)};

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "../op_utils.h"
+#include "../checks/kv.h"
 
 namespace dartree {
 namespace {

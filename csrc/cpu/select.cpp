@@ -8,7 +8,7 @@
 #include <queue>
 #include <vector>
 
-#include "../op_utils.h"
+#include "../checks/select.h"
 
 namespace dartree {
 namespace {

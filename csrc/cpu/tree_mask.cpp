@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "../op_utils.h"
+#include "../checks/tree_mask.h"
 
 namespace dartree {
 namespace {

@@ -13,7 +13,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "../vat_utils.h"
+#include "../checks/vat.h"
 #include "vec_math.h"
 
 namespace dartree {

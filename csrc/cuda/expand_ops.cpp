@@ -8,27 +8,27 @@
 
 #include <algorithm>
 
+#include "../checks/expand.h"
 #include "../kernels/launchers.h"
-#include "../op_utils.h"
 
 namespace dartree {
 namespace {
 
-kernels::ExpandHead device_head(const ExpandWeights& w) {
+kernels::HeadWeightPtrs head_weight_ptrs(const HeadWeights& w) {
   const at::ScalarType dtype = w.w_s.scalar_type();
   const kernels::ElemType elem = dtype == at::kBFloat16 ? kernels::ElemType::kBFloat16
                                  : dtype == at::kHalf   ? kernels::ElemType::kFloat16
                                                         : kernels::ElemType::kFloat32;
-  return kernels::ExpandHead{elem,
-                             w.w_s.data_ptr(),
-                             w.fc2_weight.data_ptr(),
-                             w.fc2_bias.has_value() ? w.fc2_bias->data_ptr() : nullptr,
-                             w.gru_table.data_ptr(),
-                             w.w_hh.data_ptr(),
-                             w.b_hh.has_value() ? w.b_hh->data_ptr() : nullptr,
-                             static_cast<int>(w.w_s.size(0)),
-                             static_cast<int>(w.w_s.size(1)),
-                             w.fc2_weight.size(0)};
+  return kernels::HeadWeightPtrs{elem,
+                                 w.w_s.data_ptr(),
+                                 w.fc2_weight.data_ptr(),
+                                 w.fc2_bias.has_value() ? w.fc2_bias->data_ptr() : nullptr,
+                                 w.gru_table.data_ptr(),
+                                 w.w_hh.data_ptr(),
+                                 w.b_hh.has_value() ? w.b_hh->data_ptr() : nullptr,
+                                 static_cast<int>(w.w_s.size(0)),
+                                 static_cast<int>(w.w_s.size(1)),
+                                 w.fc2_weight.size(0)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_depth_cuda(
@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
     const at::Tensor& parent_scores, const at::Tensor& num_parents, const at::Tensor& w_s, const at::Tensor& fc2_weight,
     const std::optional<at::Tensor>& fc2_bias, const at::Tensor& gru_table, const at::Tensor& w_hh,
     const std::optional<at::Tensor>& b_hh, int64_t width, double depth_bonus) {
-  const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
+  const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_expand_depth_inputs(weights, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width);
   const c10::cuda::CUDAGuard guard(z.device());
   const int64_t batch = z.size(0), p_max = parent_states.size(1), k = cand_ids.size(1), g = w_s.size(1);
@@ -67,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
                                    tokens.data_ptr<int64_t>(),     nullptr,                     width,
                                    0,                              0,                           states.data_ptr<float>(),
                                    num_children.data_ptr<int32_t>()};
-  kernels::launch_expand_depth(device_head(weights), in, workspace.data_ptr<float>(), out,
+  kernels::launch_expand_depth(head_weight_ptrs(weights), in, workspace.data_ptr<float>(), out,
                                at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {parent_idx, child_k, scores, tokens, states};
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cuda(
     const at::Tensor& w_s, const at::Tensor& fc2_weight, const std::optional<at::Tensor>& fc2_bias,
     const at::Tensor& gru_table, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_hh, at::IntArrayRef widths,
     double depth_bonus) {
-  const ExpandWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
+  const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
   const c10::cuda::CUDAGuard guard(z.device());
   const int64_t batch = z.size(0), depth = z.size(1), k = cand_ids.size(2), g = w_s.size(1);
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cuda(
                                     parents.data_ptr<int32_t>(),
                                     depths.data_ptr<int32_t>(),
                                     scores.data_ptr<float>()};
-  kernels::launch_build_supertree(device_head(weights), args, at::cuda::getCurrentCUDAStream());
+  kernels::launch_build_supertree(head_weight_ptrs(weights), args, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {tokens, parents, depths, scores};
 }

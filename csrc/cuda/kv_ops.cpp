@@ -5,8 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../checks/kv.h"
 #include "../kernels/launchers.h"
-#include "../op_utils.h"
 
 namespace dartree {
 namespace {

@@ -6,8 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../checks/tree_mask.h"
 #include "../kernels/launchers.h"
-#include "../op_utils.h"
 
 namespace dartree {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <tuple>
 
-#include "../vat_utils.h"
+#include "../checks/vat.h"
 
 namespace dartree {
 namespace {

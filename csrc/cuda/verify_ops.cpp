@@ -4,8 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../checks/verify.h"
 #include "../kernels/launchers.h"
-#include "../op_utils.h"
 
 namespace dartree {
 namespace {

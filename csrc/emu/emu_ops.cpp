@@ -236,12 +236,12 @@ int emu_ddtree_heap(const float* logprobs, const int64_t* token_ids, const int64
   });
 }
 
-int emu_expand_depth(const dartree::kernels::ExpandHead* head, const dartree::kernels::ExpandInputs* in,
+int emu_expand_depth(const dartree::kernels::HeadWeightPtrs* head, const dartree::kernels::ExpandInputs* in,
                      float* workspace, const dartree::kernels::ExpandOutputs* out) {
   return guarded([&] { dartree::kernels::launch_expand_depth(*head, *in, workspace, *out, nullptr); });
 }
 
-int emu_build_supertree(const dartree::kernels::ExpandHead* head, const dartree::kernels::SupertreeArgs* args) {
+int emu_build_supertree(const dartree::kernels::HeadWeightPtrs* head, const dartree::kernels::SupertreeArgs* args) {
   return guarded([&] { dartree::kernels::launch_build_supertree(*head, *args, nullptr); });
 }
 
@@ -274,7 +274,7 @@ int emu_vat_row_forward(int dtype, const void* draft, const void* target, const 
                         void* ce_hard, void* draft_lse, void* target_lse, float* accept) {
   return guarded([&] {
     if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
-    dartree::kernels::launch_vat_row_forward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+    dartree::kernels::launch_vat_row_forward(static_cast<dartree::kernels::ElemType>(dtype), draft, target, tokens,
                                              uniforms, rows, vocab, temperature, ce_soft, ce_hard, draft_lse,
                                              target_lse, accept, nullptr);
   });
@@ -285,7 +285,7 @@ int emu_vat_row_backward(int dtype, const void* draft, const void* target, const
                          const void* g_y, int64_t rows, int64_t vocab, void* grad_draft) {
   return guarded([&] {
     if (dtype < 0 || dtype > 3) throw std::invalid_argument("unsupported dtype");
-    dartree::kernels::launch_vat_row_backward(static_cast<dartree::kernels::VatElem>(dtype), draft, target, tokens,
+    dartree::kernels::launch_vat_row_backward(static_cast<dartree::kernels::ElemType>(dtype), draft, target, tokens,
                                               draft_lse, target_lse, g_q, g_p, g_y, rows, vocab, grad_draft, nullptr);
   });
 }
@@ -300,7 +300,7 @@ int emu_vat_block_weights(const float* accept, const uint8_t* valid, int64_t blo
 
 size_t emu_struct_sizes(int which) {  // lets the ctypes mirrors check their layout
   switch (which) {
-    case 0: return sizeof(dartree::kernels::ExpandHead);
+    case 0: return sizeof(dartree::kernels::HeadWeightPtrs);
     case 1: return sizeof(dartree::kernels::ExpandInputs);
     case 2: return sizeof(dartree::kernels::ExpandOutputs);
     default: return sizeof(dartree::kernels::SupertreeArgs);

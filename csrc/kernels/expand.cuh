@@ -37,7 +37,7 @@ DARTREE_HOST_DEVICE int stage_rows(int cols) {
 }
 
 template <typename Elem>
-struct HeadParams {  // ExpandHead with typed pointers
+struct TypedHeadWeightPtrs {  // HeadWeightPtrs with pointers of the element type, as the kernels take them
   const Elem* w_s;         // [E, G]
   const Elem* fc2_weight;  // [V, E]
   const Elem* fc2_bias;    // [V] or null
@@ -86,7 +86,8 @@ DARTREE_UNROLL
 // + sum_g w_s[e, g] states[r, g]). Each warp reads its row of w_s once per staged chunk of
 // parents and keeps per-lane partial sums for every staged row; one warp reduction per output.
 template <typename Elem>
-__global__ void expand_hidden_kernel(HeadParams<Elem> head, ExpandInputs in, float* hidden, int rows_per_block) {
+__global__ void expand_hidden_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInputs in, float* hidden,
+                                     int rows_per_block) {
   DARTREE_DYNAMIC_SHARED(float, s_x);
   const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
   const int g = head.g, e = head.e;
@@ -146,8 +147,8 @@ constexpr int kSelectOutputsPerThread = 4;
 // its slice, warp 0 merges them. Each child's parent state is copied to child_h[b, w] for
 // expand_update, and the next depth's parent count written.
 template <typename Elem>
-__global__ void expand_select_kernel(HeadParams<Elem> head, ExpandInputs in, float* cand_scores, const float* hidden,
-                                     float* child_h, ExpandOutputs out) {
+__global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInputs in, float* cand_scores,
+                                     const float* hidden, float* child_h, ExpandOutputs out) {
   DARTREE_DYNAMIC_SHARED(float, s_f);
   const int b = blockIdx.x, k = in.k, e = head.e, g = head.g, width = in.width;
   const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
@@ -283,8 +284,8 @@ __global__ void expand_select_kernel(HeadParams<Elem> head, ExpandInputs in, flo
 // W_ih^T + b_ih, precomputed). Each warp reads the 3 rows of w_hh of one state element once per
 // staged chunk of children; padding children get a zero state.
 template <typename Elem>
-__global__ void expand_update_kernel(HeadParams<Elem> head, ExpandInputs in, const float* child_h, ExpandOutputs out,
-                                     int rows_per_block) {
+__global__ void expand_update_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInputs in, const float* child_h,
+                                     ExpandOutputs out, int rows_per_block) {
   DARTREE_DYNAMIC_SHARED(float, s_x);
   const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
   const int g = head.g;
@@ -335,14 +336,17 @@ DARTREE_UNROLL
 }
 
 template <typename Elem>
-void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, float* workspace,
+void launch_expand_depth_as(const HeadWeightPtrs& weights, const ExpandInputs& in, float* workspace,
                             const ExpandOutputs& out, cudaStream_t stream) {
-  const HeadParams<Elem> head{static_cast<const Elem*>(weights.w_s),      static_cast<const Elem*>(weights.fc2_weight),
-                              static_cast<const Elem*>(weights.fc2_bias), static_cast<const Elem*>(weights.gru_table),
-                              static_cast<const Elem*>(weights.w_hh),     static_cast<const Elem*>(weights.b_hh),
-                              weights.e,
-                              weights.g,
-                              weights.v};
+  const TypedHeadWeightPtrs<Elem> head{static_cast<const Elem*>(weights.w_s),
+                                       static_cast<const Elem*>(weights.fc2_weight),
+                                       static_cast<const Elem*>(weights.fc2_bias),
+                                       static_cast<const Elem*>(weights.gru_table),
+                                       static_cast<const Elem*>(weights.w_hh),
+                                       static_cast<const Elem*>(weights.b_hh),
+                                       weights.e,
+                                       weights.g,
+                                       weights.v};
   const int warps = kExpandThreads / 32;
   float* cand_scores = workspace;
   float* hidden = cand_scores + static_cast<int64_t>(in.batch) * in.p_max * in.k;
@@ -375,7 +379,7 @@ void launch_expand_depth_as(const ExpandHead& weights, const ExpandInputs& in, f
   }
 }
 
-void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
+void launch_expand_depth(const HeadWeightPtrs& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
                          cudaStream_t stream) {
   if (in.batch == 0) return;
   switch (head.dtype) {
@@ -385,7 +389,7 @@ void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* 
   }
 }
 
-void launch_build_supertree(const ExpandHead& head, const SupertreeArgs& args, cudaStream_t stream) {
+void launch_build_supertree(const HeadWeightPtrs& head, const SupertreeArgs& args, cudaStream_t stream) {
   const int64_t elem = head.dtype == ElemType::kFloat32 ? 4 : 2;
   int64_t total = 0;
   for (int d = 0; d < args.depth; ++d) total += args.widths[d];

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "elem_type.h"
+
 struct CUstream_st;
 typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's own definition
 
@@ -73,9 +75,9 @@ void launch_compact_kv_paged(const PagedKvCaches& caches, int unit_bytes, int ba
                              const int64_t* dst_start, const int32_t* lengths, int l_max, cudaStream_t stream);
 
 // expand area: DARTree's depth-wise expansion with a GRU correction head (kernels/expand.cuh).
-enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-struct ExpandHead {  // weights, all of `dtype`, contiguous
+// The correction head's weights as plain pointers (the data of dartree::HeadWeights), as the
+// launchers take them: all of `dtype` (float32, bfloat16 or float16), contiguous.
+struct HeadWeightPtrs {
   ElemType dtype;
   const void* w_s;         // [E, G]
   const void* fc2_weight;  // [V, E]
@@ -132,7 +134,7 @@ inline int64_t expand_workspace_floats(int64_t batch, int64_t p_max, int64_t k, 
 }
 
 // Three launches: expand_hidden, expand_select, expand_update (not when child_states is null).
-void launch_expand_depth(const ExpandHead& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
+void launch_expand_depth(const HeadWeightPtrs& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
                          cudaStream_t stream);
 
 struct SupertreeArgs {
@@ -157,7 +159,7 @@ struct SupertreeArgs {
 };
 
 // Every depth in turn on `stream`; no host synchronization, so it can be captured in a graph.
-void launch_build_supertree(const ExpandHead& head, const SupertreeArgs& args, cudaStream_t stream);
+void launch_build_supertree(const HeadWeightPtrs& head, const SupertreeArgs& args, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace dartree

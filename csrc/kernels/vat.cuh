@@ -331,20 +331,20 @@ void launch_vat_row_forward_as(const void* draft, const void* target, const int6
   }
 }
 
-void launch_vat_row_forward(VatElem dtype, const void* draft, const void* target, const int64_t* tokens,
+void launch_vat_row_forward(ElemType dtype, const void* draft, const void* target, const int64_t* tokens,
                             const float* uniforms, int64_t rows, int64_t vocab, double temperature, void* ce_soft,
                             void* ce_hard, void* draft_lse, void* target_lse, float* accept, cudaStream_t stream) {
   if (rows == 0) return;
   switch (dtype) {
-    case VatElem::kFloat32:
+    case ElemType::kFloat32:
       launch_vat_row_forward_as<float, float>(draft, target, tokens, uniforms, rows, vocab, temperature, ce_soft,
                                               ce_hard, draft_lse, target_lse, accept, stream);
       break;
-    case VatElem::kBFloat16:
+    case ElemType::kBFloat16:
       launch_vat_row_forward_as<Bf16, float>(draft, target, tokens, uniforms, rows, vocab, temperature, ce_soft,
                                              ce_hard, draft_lse, target_lse, accept, stream);
       break;
-    case VatElem::kFloat16:
+    case ElemType::kFloat16:
       launch_vat_row_forward_as<Fp16, float>(draft, target, tokens, uniforms, rows, vocab, temperature, ce_soft,
                                              ce_hard, draft_lse, target_lse, accept, stream);
       break;
@@ -365,20 +365,20 @@ void launch_vat_row_backward_as(const void* draft, const void* target, const int
                  static_cast<const Acc*>(g_p), static_cast<const Acc*>(g_y), vocab, static_cast<Elem*>(grad_draft));
 }
 
-void launch_vat_row_backward(VatElem dtype, const void* draft, const void* target, const int64_t* tokens,
+void launch_vat_row_backward(ElemType dtype, const void* draft, const void* target, const int64_t* tokens,
                              const void* draft_lse, const void* target_lse, const void* g_q, const void* g_p,
                              const void* g_y, int64_t rows, int64_t vocab, void* grad_draft, cudaStream_t stream) {
   if (rows == 0) return;
   switch (dtype) {
-    case VatElem::kFloat32:
+    case ElemType::kFloat32:
       launch_vat_row_backward_as<float, float>(draft, target, tokens, draft_lse, target_lse, g_q, g_p, g_y, rows,
                                                vocab, grad_draft, stream);
       break;
-    case VatElem::kBFloat16:
+    case ElemType::kBFloat16:
       launch_vat_row_backward_as<Bf16, float>(draft, target, tokens, draft_lse, target_lse, g_q, g_p, g_y, rows,
                                               vocab, grad_draft, stream);
       break;
-    case VatElem::kFloat16:
+    case ElemType::kFloat16:
       launch_vat_row_backward_as<Fp16, float>(draft, target, tokens, draft_lse, target_lse, g_q, g_p, g_y, rows,
                                               vocab, grad_draft, stream);
       break;

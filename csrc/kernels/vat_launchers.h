@@ -1,20 +1,19 @@
 // Host entry points of the VAT-loss device code (csrc/kernels/vat.cuh), with the same rules as
 // launchers.h: plain pointers and a stream, asynchronous, no synchronization, no allocation. Kept
-// out of launchers.h (which every op's .cpp includes through op_utils.h) so that a change to the
-// VAT launchers rebuilds only the VAT files.
+// out of launchers.h (which every op's .cpp includes through csrc/checks/common.h) so that a
+// change to the VAT launchers rebuilds only the VAT files.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+#include "elem_type.h"
 
 struct CUstream_st;
 typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's own definition
 
 namespace dartree {
 namespace kernels {
-
-// Element type of the logits. Statistics (`Acc`) are float64 for kFloat64 inputs, float32 otherwise.
-enum class VatElem : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
 
 // Loss-weight schedules, in the order of dartree_ext.vat.SCHEDULES.
 enum class VatSchedule : int { kVat = 0, kDflash = 1, kPrefixOnly = 2, kHardCutoff = 3, kUnshifted = 4 };
@@ -27,14 +26,14 @@ enum class VatSchedule : int { kVat = 0, kDflash = 1, kPrefixOnly = 2, kHardCuto
 // rule at `temperature`: x = the first index whose inclusive CDF of softmax(draft / T) exceeds
 // uniforms[r, 0] (argmax draft if rounding leaves none), accepted iff
 // uniforms[r, 1] * q_T(x) < p_T(x).
-void launch_vat_row_forward(VatElem dtype, const void* draft, const void* target, const int64_t* tokens,
+void launch_vat_row_forward(ElemType dtype, const void* draft, const void* target, const int64_t* tokens,
                             const float* uniforms, int64_t rows, int64_t vocab, double temperature, void* ce_soft,
                             void* ce_hard, void* draft_lse, void* target_lse, float* accept, cudaStream_t stream);
 
 // grad_draft[r, i] = g_q[r] q_i - g_p[r] p_i - g_y[r] [i == y_r], in `dtype` (g_*, the LSEs in the
 // Acc type). Rows whose three coefficients are all zero get exact zeros without reading the logits;
 // the target row is read only where g_p[r] != 0.
-void launch_vat_row_backward(VatElem dtype, const void* draft, const void* target, const int64_t* tokens,
+void launch_vat_row_backward(ElemType dtype, const void* draft, const void* target, const int64_t* tokens,
                              const void* draft_lse, const void* target_lse, const void* g_q, const void* g_p,
                              const void* g_y, int64_t rows, int64_t vocab, void* grad_draft, cudaStream_t stream);
 

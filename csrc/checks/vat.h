@@ -1,5 +1,5 @@
-// Input validation of the VAT-loss ops, shared by the CPU and CUDA implementations (kept out of
-// op_utils.h so that VAT changes rebuild only the VAT files).
+// Input validation of the VAT-loss ops, shared by the CPU and CUDA implementations (kept apart
+// from the other areas' checks so that VAT changes rebuild only the VAT files).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,20 +8,20 @@
 #include <cstdint>
 #include <optional>
 
-#include "kernels/vat_launchers.h"
-#include "op_utils.h"
+#include "../kernels/vat_launchers.h"
+#include "common.h"
 
 namespace dartree {
 
-inline kernels::VatElem vat_elem(const char* op, const char* name, at::ScalarType dtype) {
+inline kernels::ElemType vat_elem(const char* op, const char* name, at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat: return kernels::VatElem::kFloat32;
-    case at::kBFloat16: return kernels::VatElem::kBFloat16;
-    case at::kHalf: return kernels::VatElem::kFloat16;
-    case at::kDouble: return kernels::VatElem::kFloat64;
+    case at::kFloat: return kernels::ElemType::kFloat32;
+    case at::kBFloat16: return kernels::ElemType::kBFloat16;
+    case at::kHalf: return kernels::ElemType::kFloat16;
+    case at::kDouble: return kernels::ElemType::kFloat64;
     default: TORCH_CHECK(false, op, ": ", name, " must be float32, bfloat16, float16 or float64, got ", dtype);
   }
-  return kernels::VatElem::kFloat32;
+  return kernels::ElemType::kFloat32;
 }
 
 // float64 statistics for float64 logits, float32 otherwise.
