@@ -54,7 +54,7 @@ _SIGNATURES = {
 
 
 def _source_files() -> list[pathlib.Path]:
-    return sorted([*CSRC.glob("emu/*"), *CSRC.glob("kernels/*.cuh")])
+    return sorted([*CSRC.glob("emu/*"), *CSRC.glob("kernels/*.cuh"), *CSRC.glob("kernels/*.h")])
 
 
 def build_library() -> pathlib.Path:

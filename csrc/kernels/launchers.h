@@ -2,7 +2,10 @@
 // Defined in csrc/kernels/<area>.cuh, compiled once per build: by csrc/cuda/<area>.cu under nvcc
 // (the CUDA ops in csrc/cuda/<area>_ops.cpp call them) or by csrc/emu/emu_ops.cpp on the CPU.
 // Launches are asynchronous on `stream`; pointers are device pointers (host pointers under the
-// emulation). Nothing here synchronizes or allocates.
+// emulation). Nothing here synchronizes or allocates. The launchers are defined, deliberately
+// not `inline`, in the .cuh headers, and exactly one translation unit per binary includes each
+// header: an inline definition there would never be emitted for the callers in <area>_ops.cpp,
+// which see only these declarations.
 #pragma once
 
 #include <cstddef>
