@@ -55,6 +55,17 @@ def _cuda_library_includes() -> list[str]:
     return found[:1]
 
 
+def _compile_flags() -> dict[str, list[str]]:
+    """csrc/compile_flags.txt: the flags CMakeLists.txt uses too."""
+    flags = {}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compile_flags.txt")) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                compiler, _, values = line.partition(":")
+                flags[compiler.strip()] = values.split()
+    return flags
+
+
 def _extension():
     with_cuda = _with_cuda()
     sources = ["csrc/dartree_ext.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
@@ -62,7 +73,8 @@ def _extension():
         ("DARTREE_PYTHON_MODULE", None),
         ("DARTREE_TORCH_VERSION", f'"{torch.__version__}"'),
     ]
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-trapping-math", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    flags = _compile_flags()
+    cxx_flags = ["-std=c++20"] + flags["cxx"]
     if not with_cuda:
         return CppExtension("dartree_ext._C", sources, define_macros=define_macros,
                             extra_compile_args={"cxx": cxx_flags})
@@ -73,7 +85,7 @@ def _extension():
         ("DARTREE_CUDA_ARCHS", f'"{archs}"'),
         ("DARTREE_CUDA_VERSION", f'"{torch.version.cuda}"'),
     ]
-    nvcc_flags = ["-O3", "-std=c++20", "--Werror", "all-warnings", "-lineinfo"]
+    nvcc_flags = ["-std=c++20"] + flags["nvcc"]
     if _flag("DARTREE_PTXAS_VERBOSE"):
         nvcc_flags += ["-Xptxas", "-v"]
     # csrc/cuda/*.cu hold device code only (nvcc, once per arch); csrc/cuda/*_ops.cpp the torch glue

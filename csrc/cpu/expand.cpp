@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../checks/expand.h"
+#include "../kernels/score_order.h"
 #include "vec_math.h"
 
 namespace dartree {
@@ -35,7 +36,7 @@ DARTREE_SIMD_CLONES void gru_cell(const float* gi, const float* gh, const float*
 struct Scored {
   float score;
   int32_t index;
-  bool operator<(const Scored& o) const { return score > o.score || (score == o.score && index < o.index); }
+  bool operator<(const Scored& o) const { return score_order::before(score, index, o.score, o.index); }
 };
 
 // HeadWeights prepared for the CPU: the head's small matrices as float32 (no copy when they already
@@ -104,7 +105,7 @@ at::Tensor expand_batch(const CpuHeadWeights& head, const at::Tensor& z, const a
         const float offset = parent_scores[b * parent_score_stride + p] + depth_bonus - (max_logit + std::log(sum));
         for (int64_t c = 0; c < k; ++c) {
           const float s = row[c] + offset;
-          candidates[p * k + c] = {std::isnan(s) ? kNegInf : s, static_cast<int32_t>(p * k + c)};
+          candidates[p * k + c] = {score_order::sanitize(s), static_cast<int32_t>(p * k + c)};
         }
       }
       const int64_t take = std::min<int64_t>(width, parents_here * k);

@@ -9,21 +9,20 @@
 #include <vector>
 
 #include "../checks/select.h"
+#include "../kernels/score_order.h"
 
 namespace dartree {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The order shared with the CUDA kernels: higher score first, then lower index; NaN is -inf.
-float sanitize(float s) { return std::isnan(s) ? kNegInf : s; }
+// The order shared with the CUDA kernels (kernels/score_order.h).
+float sanitize(float s) { return score_order::sanitize(s); }
 
 struct Scored {
   float score;
   int32_t index;
-  bool operator<(const Scored& o) const {  // "comes first"
-    return score > o.score || (score == o.score && index < o.index);
-  }
+  bool operator<(const Scored& o) const { return score_order::before(score, index, o.score, o.index); }  // "comes first"
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_top_w_cpu(const at::Tensor& parent_scores,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "score_order.h"
 
 namespace dartree {
 namespace kernels {
@@ -12,10 +13,11 @@ constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kPosInf = __builtin_huge_valf();
 constexpr int kNoCandidate = 0x7fffffff;
 
-DARTREE_HOST_DEVICE float sanitize_score(float s) { return s != s ? kNegInf : s; }
+// score_order.h, under the names the kernels use
+DARTREE_HOST_DEVICE float sanitize_score(float s) { return score_order::sanitize(s); }
 
 DARTREE_HOST_DEVICE bool better(float score_a, int index_a, float score_b, int index_b) {
-  return score_a > score_b || (score_a == score_b && index_a < index_b);
+  return score_order::before(score_a, index_a, score_b, index_b);
 }
 
 struct Candidate {
