@@ -194,9 +194,14 @@ def method_params(spec: str, params: Params) -> tuple[str, Params]:
     name, eq, value = override.partition("=")
     if not eq or name not in {f.name for f in dataclasses.fields(Params)}:
         raise SystemExit(f"--methods: expected method/name=value with a Params field, got {spec!r}")
-    kind = budget_arg if name == "budget" else early_exit_arg if name == "early_exit" else \
-        int if name == "lookup" else type(getattr(params, name))
-    return method, dataclasses.replace(params, **{name: kind(value)})
+    return method, dataclasses.replace(params, **{name: param_kind(name, params)(value)})
+
+
+def param_kind(name: str, params: Params):
+    """How a command-line value of Params field ``name`` is parsed (sweeps and overrides)."""
+    if name == "width":
+        return lambda v: parse_width(v.replace("/", ","))
+    return {"budget": budget_arg, "early_exit": early_exit_arg, "lookup": int}.get(name, type(getattr(params, name)))
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
@@ -302,9 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         name, values = args.sweep.split("=")
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
-        kind = (lambda v: parse_width(v.replace("/", ","))) if name == "width" else \
-            budget_arg if name == "budget" else early_exit_arg if name == "early_exit" else \
-            int if name == "lookup" else type(getattr(base_params, name))
+        kind = param_kind(name, base_params)
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
     print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "

@@ -37,7 +37,7 @@ from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
-from .lookup import ContextIndex, LookupStats, graft_chains
+from .lookup import ChainGraft, ContextIndex, LookupStats
 
 log = logging.getLogger(__name__)
 
@@ -666,7 +666,7 @@ class SpeculativeDecoder:
         return tree, chosen
 
     def _graft_lookup(self, run: _Run, state: _Batch, tree: Tree, chosen: int | None) -> Tree:
-        """``tree`` with every row's context continuation grafted in (:func:`graft_chains`); with
+        """``tree`` with every row's context continuation grafted in (:class:`ChainGraft`); with
         ``budget="auto"``, the continuations are cut at the step (the same for every row) that
         maximises expected tokens per ms under the cost model."""
         chains, ngrams = [], []
@@ -677,14 +677,13 @@ class SpeculativeDecoder:
             chain, n = run.index[req].propose(min(self.lookup, room))
             chains.append(chain)
             ngrams.append(n)
-        grafted, added = graft_chains(tree, chains)
+        graft = ChainGraft(tree, chains)
+        steps = None
         if self.auto and any(chains):
-            steps = self._lookup_steps(tree, chains, ngrams, added, chosen, state.cache_len)
-            if steps < max(len(c) for c in chains):
-                chains = [c[:steps] for c in chains]
-                grafted, _ = graft_chains(tree, chains)
+            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len)
+            chains = [c[:steps] for c in chains]
         state.chains, state.ngrams, state.drafted = chains, ngrams, tree.num_nodes.tolist()
-        return grafted
+        return graft.tree(steps)
 
     def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
                       chosen: int | None, context: int) -> int:
@@ -699,7 +698,7 @@ class SpeculativeDecoder:
         fixed += overhead
         num = tree.num_nodes.tolist()
         probs = [self.lookup_stats.path_probs(n, len(c)) if c else [] for c, n in zip(chains, ngrams)]
-        expected = rows + getattr(self, "_chosen_expected", 0.0)
+        expected = rows + self._chosen_expected
         best_steps, best_rate = 0, expected / (fixed + cost.verify(rows * base_width - 1, context))
         for d in range(1, max(len(c) for c in chains) + 1):
             for b, c in enumerate(chains):

@@ -97,44 +97,71 @@ class LookupStats:
         self.hits[i, :min(accepted, self.max_depth)] += 1
 
 
-def graft_chains(tree: Tree, chains: Sequence[Sequence[int]]) -> tuple[Tree, list[list[int]]]:
-    """``tree`` with each row's chain (tokens after the root) merged in as a branch: the chain
+class ChainGraft:
+    """Each row's chain (tokens after the root) merged into ``tree`` as a branch: the chain
     follows existing nodes while their tokens agree and continues as new nodes after the row's
-    last node (parents stay before children). Returns the tree and, per row, the nodes added by
-    the chain's first ``d + 1`` tokens at each step ``d`` (what cutting the chain there would
-    cost). New nodes score ``-inf``: they are not the drafter's."""
-    rows = tree.tokens.shape[0]
-    if len(chains) != rows:
-        raise ValueError(f"need one chain per row: {len(chains)} chains for {rows} rows")
-    if not any(len(c) for c in chains):
-        return tree, [[] for _ in range(rows)]
-    tokens, parents, depths, num = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths, tree.num_nodes))
-    added: list[list[int]] = []
-    for b, chain in enumerate(chains):
-        n = num[b]
-        tok, par, dep = tokens[b][:n], parents[b][:n], depths[b][:n]
-        child = {(par[i], tok[i]): i for i in range(1, n)}
-        cur, steps = 0, []
-        for t in chain:
-            t = int(t)
-            nxt = child.get((cur, t))
-            if nxt is None:
-                nxt = len(tok)
-                tok.append(t)
-                par.append(cur)
-                dep.append(dep[cur] + 1)
-                child[(cur, t)] = nxt
-            cur = nxt
-            steps.append(len(tok) - n)
-        tokens[b], parents[b], depths[b] = tok, par, dep
-        added.append(steps)
-    width = max(max(len(t) for t in tokens), tree.tokens.shape[1])
-    dev = tree.tokens.device
-    scores = torch.full((rows, width), float("-inf"), device=dev)
-    for b in range(rows):
-        scores[b, :num[b]] = tree.scores[b, :num[b]]
-    new = Tree(tokens=torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.int64, device=dev),
-               parents=torch.tensor([p + [-1] * (width - len(p)) for p in parents], dtype=torch.int32, device=dev),
-               depths=torch.tensor([d + [-1] * (width - len(d)) for d in depths], dtype=torch.int32, device=dev),
-               scores=scores, num_nodes=torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=dev))
-    return new, added
+    last node (parents stay before children). The walk runs once, on the host; ``added[b][d]`` is
+    how many nodes row ``b``'s first ``d + 1`` chain tokens add (what keeping the chain up to there
+    costs), and :meth:`tree` builds the grafted tree cut to any number of chain tokens. New nodes
+    score ``-inf``: they are not the drafter's."""
+
+    def __init__(self, tree: Tree, chains: Sequence[Sequence[int]]) -> None:
+        rows = tree.tokens.shape[0]
+        if len(chains) != rows:
+            raise ValueError(f"need one chain per row: {len(chains)} chains for {rows} rows")
+        self.base, self.chains = tree, chains
+        self.added: list[list[int]] = [[] for _ in range(rows)]
+        if not any(len(c) for c in chains):
+            return
+        tokens, parents, depths, self.num = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths,
+                                                                    tree.num_nodes))
+        self.rows = []
+        for b, chain in enumerate(chains):
+            n = self.num[b]
+            tok, par, dep = tokens[b][:n], parents[b][:n], depths[b][:n]
+            child = {(par[i], tok[i]): i for i in range(1, n)}
+            cur = 0
+            for t in chain:
+                t = int(t)
+                nxt = child.get((cur, t))
+                if nxt is None:
+                    nxt = len(tok)
+                    tok.append(t)
+                    par.append(cur)
+                    dep.append(dep[cur] + 1)
+                    child[(cur, t)] = nxt
+                cur = nxt
+                self.added[b].append(len(tok) - n)
+            self.rows.append((tok, par, dep))
+
+    def tree(self, steps: int | None = None) -> Tree:
+        """The tree with each row's first ``steps`` chain tokens grafted in (all of them for
+        ``None``); the base tree itself when that adds nothing."""
+        def kept(added: list[int]) -> int:  # nodes the row's kept chain tokens add
+            if not added or steps == 0:
+                return 0
+            return added[-1] if steps is None else added[min(steps, len(added)) - 1]
+
+        keep = [kept(a) for a in self.added]
+        if not any(keep):
+            return self.base
+        rows, dev = len(self.rows), self.base.tokens.device
+        lengths = [self.num[b] + keep[b] for b in range(rows)]
+        width = max(max(lengths), self.base.tokens.shape[1])
+
+        def padded(field: int, fill: int) -> list[list[int]]:
+            return [r[field][:n] + [fill] * (width - n) for r, n in zip(self.rows, lengths)]
+
+        scores = torch.full((rows, width), float("-inf"), device=dev)
+        for b in range(rows):
+            scores[b, :self.num[b]] = self.base.scores[b, :self.num[b]]
+        return Tree(tokens=torch.tensor(padded(0, 0), dtype=torch.int64, device=dev),
+                    parents=torch.tensor(padded(1, -1), dtype=torch.int32, device=dev),
+                    depths=torch.tensor(padded(2, -1), dtype=torch.int32, device=dev),
+                    scores=scores, num_nodes=torch.tensor(lengths, dtype=torch.int32, device=dev))
+
+
+def graft_chains(tree: Tree, chains: Sequence[Sequence[int]]) -> tuple[Tree, list[list[int]]]:
+    """``tree`` with every row's whole chain grafted in, and :attr:`ChainGraft.added`."""
+    graft = ChainGraft(tree, chains)
+    return graft.tree(), graft.added
