@@ -37,6 +37,11 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
     if temperature == 0:
+        if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+            # exact (every bf16/fp16 value is a float32 value, ties still go to the lowest id) and
+            # 5x faster on a CPU: PyTorch's reduced-precision argmax there is not vectorised
+            # (0.95 ms vs 0.2 ms over 11 x 49152 logits on a 2-vCPU EPYC)
+            logits = logits.float()
         return logits.argmax(-1)
     scaled = logits.float() / temperature
     if top_k is not None:

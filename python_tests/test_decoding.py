@@ -363,3 +363,31 @@ def test_auto_budget_records_each_chosen_tree_once(setup):
     out = check_greedy(dec, prompts[:1], refs[:1], new=8)
     chosen = sum(1 for n in out.stats.tree_nodes if n > 0)
     assert chosen > 0 and len(dec._recent_depths) == min(chosen, 16)
+
+
+def test_context_kv_kept_per_slot_equals_recomputing(setup):
+    """The decoder keeps the drafter's keys/values of its context per slot (computed once, when a
+    slot is committed) instead of projecting the whole context every round: every round's draft
+    is the same as with the context projected again, at B = 3 with different prompt lengths."""
+    target, drafter, prompts, refs = setup
+    ids, mask = left_pad(prompts)
+    drafts = {}
+    for keep in (True, False):
+        dec = SpeculativeDecoder(target, drafter, "dartree", budget=16, width=4, K=8)
+        dec._context_kv = keep
+        seen = []
+        original = dec._draft
+
+        def record(run, state, _orig=original, _seen=seen):
+            draft = _orig(run, state)
+            _seen.append((state.context_kv is not None, draft.base_logits.clone()))
+            return draft
+        dec._draft = record
+        out = dec.generate(ids, mask, max_new_tokens=NEW)
+        drafts[keep] = (seen, out.sequences)
+    (kept, seq_kept), (recomputed, seq_recomputed) = drafts[True], drafts[False]
+    assert all(used for used, _ in kept) and not any(used for used, _ in recomputed)
+    assert len(kept) == len(recomputed) > 3
+    for (_, a), (_, b) in zip(kept, recomputed):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(seq_kept, seq_recomputed)

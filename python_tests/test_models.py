@@ -118,6 +118,22 @@ def test_correction_head_matches_tree_reference():
             state = reference.gru_update(head, tokens[:, d], state)
 
 
+def test_export_head_reused_until_weights_change():
+    """export_head returns the same tensors while the weights are unchanged, and a fresh GRU
+    table after an in-place update (an optimizer step) or for another dtype."""
+    drafter = tiny_drafter(tiny_target())
+    first = drafter.export_head()
+    assert drafter.export_head() is first
+    assert drafter.export_head(torch.float64).gru_table.dtype == torch.float64
+    with torch.no_grad():
+        drafter.embedding.weight.add_(1.0)
+    fresh = drafter.export_head()
+    assert fresh is not first
+    expected = drafter.embedding.weight @ drafter.correction_head.gru.weight_ih.T + drafter.correction_head.gru.bias_ih
+    torch.testing.assert_close(fresh.gru_table, expected.detach())
+    assert not torch.allclose(fresh.gru_table, first.gru_table)
+
+
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 def test_compact_cache(cache_kind):
     from transformers import DynamicCache, StaticCache
@@ -200,3 +216,24 @@ def test_lookup_drafter_follows_the_base_dtype():
         tree = build_dartree(head, out.hidden, out.base_logits, root, torch.zeros(1, 16, dtype=torch.bfloat16), k=4,
                              width=2, budget=6)
     assert int(tree.num_nodes[0]) == 7
+
+
+def test_drafter_context_kv_equals_projecting_the_context():
+    """forward(..., context_kv=context_kv(context)) equals forward(...) on the same context, with
+    grouped-query heads, a batch of 2 and a context of 1 row broadcast over it."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, num_layers=2)
+    assert drafter.config.num_heads != drafter.config.num_kv_heads
+    gen = torch.Generator().manual_seed(3)
+    for rows in (2, 1):
+        ctx = torch.randn(rows, 9, drafter.config.hidden_size, generator=gen)
+        pos = torch.arange(9)[None].expand(rows, -1)
+        valid = torch.rand(rows, 9, generator=gen) > 0.3
+        roots, root_pos = torch.tensor([3, 5]), torch.tensor([9, 9])
+        with torch.no_grad():
+            want = drafter(roots, root_pos, ctx, pos, valid)
+            kv = drafter.context_kv(ctx, pos)
+            assert len(kv) == 2 and kv[0].shape == (rows, 9, 2, drafter.config.num_kv_heads, drafter.config.head_dim)
+            got = drafter(roots, root_pos, ctx, pos, valid, context_kv=kv)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.base_logits, want.base_logits, atol=1e-5, rtol=1e-5)

@@ -195,6 +195,7 @@ class _Batch:
     cache: object            # the target's KV cache (transformers Cache)
     host_length: list[int] = dataclasses.field(default_factory=list)  # ``length`` on the host
     context: torch.Tensor | None = None  # [R, S, H]: the drafter's context, slot by slot
+    context_kv: list[torch.Tensor] | None = None  # per drafter layer, its keys/values of ``context``
     # the current round's view of the cache (begin_round) and its results
     cache_len: int = 0
     past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
@@ -217,15 +218,27 @@ class _Batch:
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = None
 
-    def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int) -> None:
-        """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``."""
+    def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int, drafter=None) -> None:
+        """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``; with
+        ``drafter``, its keys and values of them into ``context_kv`` too."""
         rows, width = in_path.shape
+        new_kv = []
+        if self.context_kv is not None:
+            positions = (self.length - self.pad)[:, None] + torch.arange(width, device=new.device)[None]
+            new_kv = drafter.context_kv(new, positions)
         grow = new_length - self.context.shape[1]
-        if grow > 0:
-            self.context = torch.cat([self.context, self.context.new_zeros(rows, grow, self.context.shape[2])], 1)
-        dst = (self.length[:, None] + torch.arange(width, device=new.device)[None]).clamp(max=self.context.shape[1] - 1)
+        dst = (self.length[:, None] + torch.arange(width, device=new.device)[None]).clamp(max=new_length - 1)
         rows_idx = torch.arange(rows, device=new.device)[:, None].expand(-1, width)
-        self.context[rows_idx[in_path], dst[in_path]] = new[in_path]
+        rows_idx, dst = rows_idx[in_path], dst[in_path]
+        slots = [self.context] + (self.context_kv or [])
+        for i, (old, add) in enumerate(zip(slots, [new] + new_kv)):
+            if grow > 0:
+                old = torch.cat([old, old.new_zeros((rows, grow) + tuple(old.shape[2:]))], 1)
+            old[rows_idx, dst] = add[in_path]
+            slots[i] = old
+        self.context = slots[0]
+        if self.context_kv is not None:
+            self.context_kv = slots[1:]
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only the rows ``idx`` (int64), in the cache too."""
@@ -233,6 +246,8 @@ class _Batch:
         self.host_length = [self.host_length[i] for i in idx.tolist()]
         if self.context is not None:
             self.context = self.context[idx]
+        if self.context_kv is not None:
+            self.context_kv = [kv[idx] for kv in self.context_kv]
         if idx.numel():
             select_requests_(self.cache, idx)
 
@@ -385,6 +400,8 @@ class SpeculativeDecoder:
         self.early_exit, self.estimator = early_exit, estimator
         self._vh_used = method not in DRAFTERLESS and (early_exit is not None or (self.auto and estimator == "vh"))
         self.target, self.drafter, self.method = target, drafter, method
+        # the drafter's keys/values of its context, kept per slot instead of recomputed per round
+        self._context_kv = callable(getattr(drafter, "context_kv", None))
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
@@ -631,6 +648,8 @@ class SpeculativeDecoder:
                               **{self._cache_kw: state.cache})
             if run.drafting:
                 state.context = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
+                if self._context_kv:
+                    state.context_kv = self.drafter.context_kv(state.context, (slot - pad[:, None]).clamp(min=0))
         run.tick("prefill")
         return state
 
@@ -642,9 +661,14 @@ class SpeculativeDecoder:
         if run.drafting and self._skip == 0:
             if state.context is None:
                 state.context = self.drafter.empty_context(state.rows)
+                if self._context_kv:
+                    state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
             slot = torch.arange(state.cache_len, device=run.device)
+            kw = {}
+            if state.context_kv is not None:
+                kw["context_kv"] = [kv[:, :state.cache_len] for kv in state.context_kv]
             draft = self.drafter(state.root, state.position, state.context[:, :state.cache_len],
-                                 (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid)
+                                 (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid, **kw)
             if self._vh_used and draft.hidden.shape[1]:
                 draft.accept_prob = torch.sigmoid(self.drafter.verification_head(draft.hidden).float())
         elif self._skip:
@@ -787,7 +811,7 @@ class SpeculativeDecoder:
         if run.drafting:
             feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
             feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-            state.append_context(self.drafter.project_context(feats), in_path, new_length)
+            state.append_context(self.drafter.project_context(feats), in_path, new_length, self.drafter)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None:

@@ -149,15 +149,32 @@ class DrafterLayer(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
 
+    def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
+        """The keys (rotated) and values of context vectors ``[B, S, H]`` at ``ctx_pos int64[B, S]``:
+        ``[B, S, 2, kv_heads, head_dim]``. They depend on nothing else, so a decoder computes each
+        slot's once (:meth:`forward`'s ``ctx_kv``) instead of every round."""
+        cfg = self.cfg
+        k = _rope(self._heads(self.k_proj(ctx), cfg.num_kv_heads), ctx_pos, cfg.rope_theta)
+        v = self._heads(self.v_proj(ctx), cfg.num_kv_heads)
+        return torch.stack([k, v], 1).permute(0, 3, 1, 2, 4)
+
     def forward(self, x: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-                ctx_mask: torch.Tensor) -> torch.Tensor:
+                ctx_mask: torch.Tensor, ctx_kv: torch.Tensor | None = None) -> torch.Tensor:
+        """``ctx_kv``: :meth:`context_kv` of ``ctx`` (``[B, S, 2, kv_heads, head_dim]``), when the
+        caller keeps it; ``ctx`` is not read then."""
         cfg = self.cfg
         hx = self.attn_norm(x)
-        keys_in = torch.cat([ctx.expand(x.shape[0], -1, -1), hx], 1)
-        pos = torch.cat([ctx_pos.expand(x.shape[0], -1), block_pos], 1)
         q = _rope(self._heads(self.q_proj(hx), cfg.num_heads), block_pos, cfg.rope_theta)
-        k = _rope(self._heads(self.k_proj(keys_in), cfg.num_kv_heads), pos, cfg.rope_theta)
-        v = self._heads(self.v_proj(keys_in), cfg.num_kv_heads)
+        if ctx_kv is None:
+            keys_in = torch.cat([ctx.expand(x.shape[0], -1, -1), hx], 1)
+            pos = torch.cat([ctx_pos.expand(x.shape[0], -1), block_pos], 1)
+            k = _rope(self._heads(self.k_proj(keys_in), cfg.num_kv_heads), pos, cfg.rope_theta)
+            v = self._heads(self.v_proj(keys_in), cfg.num_kv_heads)
+        else:
+            ctx_kv = ctx_kv.expand(x.shape[0], -1, -1, -1, -1)
+            k = torch.cat([ctx_kv[:, :, 0].transpose(1, 2),
+                           _rope(self._heads(self.k_proj(hx), cfg.num_kv_heads), block_pos, cfg.rope_theta)], 2)
+            v = torch.cat([ctx_kv[:, :, 1].transpose(1, 2), self._heads(self.v_proj(hx), cfg.num_kv_heads)], 2)
         rep = cfg.num_heads // cfg.num_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -425,11 +442,19 @@ class BlockDrafter(nn.Module):
         w = self.context_proj.weight
         return self.context_norm(self.context_proj(features.to(w.dtype)))
 
+    def context_kv(self, context: torch.Tensor, context_positions: torch.Tensor) -> list[torch.Tensor]:
+        """Every layer's keys and values of context vectors (``DrafterLayer.context_kv``), for
+        :meth:`forward`'s ``context_kv``."""
+        return [layer.context_kv(context, context_positions) for layer in self.layers]
+
     def forward(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, context: torch.Tensor,
-                context_positions: torch.Tensor, context_mask: torch.Tensor) -> DraftOutput:
+                context_positions: torch.Tensor, context_mask: torch.Tensor,
+                context_kv: list[torch.Tensor] | None = None) -> DraftOutput:
         """One drafting pass. ``root_tokens int64[B]`` at ``root_positions int64[B]``; context
         vectors ``[B or 1, S, H]`` (:meth:`project_context`) at ``context_positions
-        int64[B or 1, S]``, visible where ``context_mask bool[B or 1, S]``."""
+        int64[B or 1, S]``, visible where ``context_mask bool[B or 1, S]``. ``context_kv``
+        (:meth:`context_kv` of the same context, kept by the caller) saves projecting the context
+        again; the result is the same."""
         cfg = self.config
         batch = root_tokens.shape[0]
         dtype = self.dtype
@@ -439,8 +464,9 @@ class BlockDrafter(nn.Module):
             masks = masks + root[:, None]
         x = torch.cat([root[:, None], masks], 1)
         block_pos = root_positions[:, None] + torch.arange(cfg.block_size, device=root_tokens.device)
-        for layer in self.layers:
-            x = layer(x, block_pos, context, context_positions, context_mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, block_pos, context, context_positions, context_mask,
+                      None if context_kv is None else context_kv[i])
         hidden = self.norm(x[:, 1:])
         head_w = self.lm_head.weight
         if self.draft_vocab is not None and not self.training:
@@ -454,7 +480,20 @@ class BlockDrafter(nn.Module):
         return DraftOutput(hidden=hidden, base_logits=logits)
 
     def export_head(self, dtype: torch.dtype | None = None) -> CorrectionHeadWeights:
-        return self.correction_head.export(self.embedding, dtype)
+        """The correction head's tensors for the tree ops (:meth:`CorrectionHead.export`). The
+        result is reused while no weight it derives from has changed (its GRU input table costs
+        about 0.1 s on a CPU for a 49k vocabulary, once per decoder otherwise)."""
+        params = [self.embedding.weight, *self.correction_head.parameters()]
+        try:
+            key = (dtype, tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params))
+        except RuntimeError:  # inference tensors keep no version counter: no reuse
+            return self.correction_head.export(self.embedding, dtype)
+        cached = getattr(self, "_exported_head", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        head = self.correction_head.export(self.embedding, dtype)
+        self._exported_head = (key, head)
+        return head
 
     # persistence ---------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

@@ -29,8 +29,9 @@ class LookupDrafter(BlockDrafter):
         self.sequences = [s.tolist() for s in sequences]
         self.miss, self.gen = miss, torch.Generator().manual_seed(seed)
 
-    def forward(self, root_tokens, root_positions, context, context_positions, context_mask) -> DraftOutput:
-        out = super().forward(root_tokens, root_positions, context, context_positions, context_mask)
+    def forward(self, root_tokens, root_positions, context, context_positions, context_mask,
+                context_kv=None) -> DraftOutput:
+        out = super().forward(root_tokens, root_positions, context, context_positions, context_mask, context_kv)
         logits = torch.randn(tuple(out.base_logits.shape), generator=self.gen)
         for row, (tok, pos) in enumerate(zip(root_tokens.tolist(), root_positions.tolist())):
             seq = next((s for s in self.sequences if pos < len(s) and s[pos] == tok), None)
