@@ -257,13 +257,13 @@ def _stdlib_methods() -> list[Prompt]:
     return out
 
 
-def _magpie() -> list[Prompt]:
-    """The self-generated requests shipped in ``dartree_ext/data/magpie_*.jsonl`` (file order)."""
-    import glob
-    out = []
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "magpie_*.jsonl"))):
-        out += [Prompt(r["id"], r["text"], r.get("source", "magpie")) for r in _jsonl(path)]
-    return out
+def _magpie(name: str = "magpie_smollm2.jsonl", source: str = "magpie") -> list[Prompt]:
+    """Self-generated requests shipped in ``dartree_ext/data/<name>`` (file order; none if the
+    file is absent)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    if not os.path.exists(path):
+        return []
+    return [Prompt(r["id"], r["text"], r.get("source", source)) for r in _jsonl(path)]
 
 
 def _math_word_problems(n: int = 300, seed: int = 0, prefix: str = "mathwp") -> list[Prompt]:
@@ -322,7 +322,12 @@ TRAINING_SOURCES = {
     "math-word-problems-2": "1200 more word problems from the same templates, another seed",
     # the fourth part (after the third)
     "magpie": "requests SmolLM2-135M-Instruct wrote itself when given its chat template up to a user turn "
-              "(Magpie; dartree_ext/data/magpie_*.jsonl, made by bench/magpie_prompts.py)",
+              "(Magpie; dartree_ext/data/magpie_smollm2.jsonl, made by bench/magpie_prompts.py)",
+    # the fifth part (after the fourth)
+    "magpie-code": "Magpie requests written under a system prompt for a Python programming assistant "
+                   "(dartree_ext/data/magpie_code_smollm2.jsonl)",
+    "magpie-math": "Magpie requests written under a system prompt for a grade-school math tutor "
+                   "(dartree_ext/data/magpie_math_smollm2.jsonl)",
 }
 
 
@@ -377,11 +382,13 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
     a mix of kinds: first the five original sources (603 prompts with ``max_chars=1200``), then
     the code and math prompts added later (``stdlib-code``, ``math-word-problems``: 1306 in all),
     then a third part (``stdlib-methods``, ``math-word-problems-2``: 2751 in all), then the
-    self-generated ``magpie`` requests, so the numbering of the earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
+    self-generated ``magpie`` requests (6751 in all), then the self-generated ``magpie-code`` and
+    ``magpie-math`` requests, so the numbering of the earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
     parts = [[_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()],
              [_stdlib_code(), _math_word_problems()],
              [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")],
-             [_magpie()]]
+             [_magpie()],
+             [_magpie("magpie_code_smollm2.jsonl", "magpie-code"), _magpie("magpie_math_smollm2.jsonl", "magpie-math")]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()
@@ -399,7 +406,7 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
                 ids.add(p.id)
                 kept.append(p)
             kept_groups.append(kept)
-        for i in range(max(len(g) for g in kept_groups)):
+        for i in range(max((len(g) for g in kept_groups), default=0)):
             out += [g[i] for g in kept_groups if i < len(g)]
     if check:
         clash = near_duplicates(out, evals)
