@@ -43,6 +43,7 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "compact_kv_(Tensor(a!) keys, Tensor(b!) values, Tensor src_positions, Tensor dst_start, Tensor lengths) -> "
       "()");
+  m.def("compact_kv_layers_(Tensor(a!)[] caches, Tensor src_positions, Tensor dst_start, Tensor lengths) -> ()");
   m.def(
       "compact_kv_paged_(Tensor(a!)[] caches, Tensor block_table, Tensor src_positions, Tensor dst_start, "
       "Tensor lengths) -> ()");

@@ -18,7 +18,7 @@ import torch
 
 from ._widths import depth_widths
 
-__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_paged_",
+__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
            "expand_depth", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
@@ -350,6 +350,24 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
     ``values`` must agree on batch, heads and sequence length (their head dims may differ).
     """
     _ops.compact_kv_.default(keys, values, src_positions, dst_start, lengths)
+
+
+def compact_kv_layers_(caches: list[torch.Tensor], src_positions: torch.Tensor, dst_start: torch.Tensor,
+                       lengths: torch.Tensor) -> None:
+    """:func:`compact_kv_` for every layer in one call (one launch on CUDA, per 64 tensors).
+
+    ``caches``: tensors ``[B, H, S, D]`` (every layer's keys and values; any dtypes, contiguous,
+    the same ``B`` and ``S``; heads and head dims may differ). The moves are :func:`compact_kv_`'s
+    and the same for every tensor. The CPU op checks the positions before moving anything
+    (``ValueError``, caches untouched); the CUDA kernel skips positions outside the cache."""
+    _ops.compact_kv_layers_.default(list(caches), src_positions, dst_start, lengths)
+
+
+@torch.library.register_fake("dartree_ext::compact_kv_layers_")
+def _compact_kv_layers_fake(caches, src_positions, dst_start, lengths):
+    _check_same_device("compact_kv_layers_", src_positions=src_positions, dst_start=dst_start, lengths=lengths,
+                       **{f"caches[{i}]": c for i, c in enumerate(caches)})
+    return None
 
 
 def compact_kv_paged_(caches: list[torch.Tensor], block_table: torch.Tensor, src_positions: torch.Tensor,

@@ -298,7 +298,13 @@ def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus
 def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
                 lengths: torch.Tensor) -> None:
     """Gather every moved row first, then write: correct for any source order."""
-    for cache in (keys, values):
+    compact_kv_layers_([keys, values], src_positions, dst_start, lengths)
+
+
+def compact_kv_layers_(caches: list[torch.Tensor], src_positions: torch.Tensor, dst_start: torch.Tensor,
+                       lengths: torch.Tensor) -> None:
+    """:func:`compact_kv_` on every tensor of ``caches`` ([B, H, S, D] each)."""
+    for cache in caches:
         for b in range(cache.shape[0]):
             n = int(lengths[b])
             if n == 0:

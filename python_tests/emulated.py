@@ -44,7 +44,7 @@ _SIGNATURES = {
     "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "emu_expand_depth": [_P, _P, _P, _P],
-    "emu_compact_kv": [_P, _I, _I, _I, ctypes.c_int64, _I, _P, _P, _P, _I],
+    "emu_compact_kv_layers": [_P, _P, _P, _I, _I, _I, ctypes.c_int64, _P, _P, _P, _I],
     "emu_compact_kv_paged": [_P, _P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
     "emu_build_supertree": [_P, _P],
     "emu_vat_row_forward": [_I, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, _P, _P, _P, _P, _P],
@@ -189,10 +189,20 @@ class EmulatedOps:
         return tokens, parents, depths, scores, num_nodes
 
     def compact_kv_(self, keys, values, src_positions, dst_start, lengths):
-        for cache in (keys, values):
-            batch, heads, seq, dim = cache.shape
-            self.call("emu_compact_kv", _ptr(cache), cache.element_size(), batch, heads, seq, dim,
-                      _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
+        self.compact_kv_layers_([keys, values], src_positions, dst_start, lengths)
+
+    def compact_kv_layers_(self, caches, src_positions, dst_start, lengths):
+        row_bytes = [c.shape[3] * c.element_size() for c in caches]
+        unit = next(u for u in (8, 4, 2, 1) if all(r % u == 0 and c.data_ptr() % u == 0
+                                                    for r, c in zip(row_bytes, caches)))
+        for first in range(0, len(caches), 64):  # kMaxKvLayerCaches per launch, as the CUDA op
+            group = caches[first:first + 64]
+            bases = (ctypes.c_void_p * len(group))(*[c.data_ptr() for c in group])
+            units = torch.tensor([r // unit for r in row_bytes[first:first + 64]], dtype=torch.int64)
+            heads = torch.tensor([c.shape[1] for c in group], dtype=torch.int32)
+            self.call("emu_compact_kv_layers", ctypes.cast(bases, ctypes.c_void_p), _ptr(units), _ptr(heads),
+                      len(group), unit, src_positions.shape[0], caches[0].shape[2], _ptr(src_positions),
+                      _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
 
     def compact_kv_paged_(self, caches, block_table, src_positions, dst_start, lengths, *, validate=False):
         slots = caches[0].shape[0] * caches[0].shape[1]

@@ -1,4 +1,5 @@
-"""compact_kv_ against the reference on every backend and dtype; hand-built moves."""
+"""compact_kv_, compact_kv_layers_ and compact_kv_paged_ against the reference on every backend and
+dtype; hand-built moves; bad input."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,58 @@ def test_compact_kv_long_moves_chunk_columns(backend):
 
 
 # paged pools -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_kv_layers_matches_reference(backend, seed):
+    """Every layer's keys and values in one call: mixed dtypes, heads and head dims (one copy unit
+    must divide all rows: 3 x 2-byte rows force 2-byte units), batch 3."""
+    gen = torch.Generator().manual_seed(seed)
+    seq, l_max = 50, 9
+    shapes = [(2, 8, torch.float32), (2, 8, torch.float32), (1, 3, torch.bfloat16), (4, 16, torch.float16),
+              (3, 5, torch.float64)][:2 + seed % 4]
+    caches = [torch.randn(3, h, seq, d, generator=gen).to(dt) for h, d, dt in shapes]
+    src, dst, lengths = random_moves(3, l_max, seq, gen)
+    expected = [c.clone() for c in caches]
+    reference.compact_kv_layers_(expected, src, dst, lengths)
+    moved = backend.put(*caches, src, dst, lengths)
+    backend.ops.compact_kv_layers_(list(moved[:len(caches)]), *moved[len(caches):])
+    for got, want in zip(moved[:len(caches)], expected):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_compact_kv_layers_more_than_one_launch(backend):
+    """70 tensors: more than the 64 one CUDA launch takes."""
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(2, 2, 20, 4, generator=gen) for _ in range(70)]
+    src, dst, lengths = random_moves(2, 5, 20, gen)
+    expected = [c.clone() for c in caches]
+    reference.compact_kv_layers_(expected, src, dst, lengths)
+    moved = backend.put(*caches, src, dst, lengths)
+    backend.ops.compact_kv_layers_(list(moved[:70]), *moved[70:])
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(moved[:70], expected))
+
+
+def test_compact_kv_layers_bad_input_leaves_the_caches():
+    from dartree_ext import ops
+    gen = torch.Generator().manual_seed(2)
+    caches = [torch.randn(2, 2, 20, 4, generator=gen), torch.randn(2, 1, 20, 6, generator=gen)]
+    before = [c.clone() for c in caches]
+    src, dst, lengths = torch.tensor([[5, 4], [3, 4]]), torch.tensor([2, 2]), torch.tensor([2, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="increasing"):
+        ops.compact_kv_layers_(caches, src, dst, lengths)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before)), "a rejected call must not move anything"
+    ok = torch.tensor([[5, 6], [3, 4]])
+    with pytest.raises(ValueError, match="at least one tensor"):
+        ops.compact_kv_layers_([], ok, dst, lengths)
+    with pytest.raises(ValueError, match="same sequence length"):
+        ops.compact_kv_layers_([caches[0], torch.randn(2, 2, 21, 4)], ok, dst, lengths)
+    with pytest.raises(ValueError, match="batch size 2"):
+        ops.compact_kv_layers_([caches[0], torch.randn(3, 2, 20, 4)], ok, dst, lengths)
+    with pytest.raises(RuntimeError, match=r"caches\[1\] must be contiguous"):
+        ops.compact_kv_layers_([caches[0], torch.randn(2, 20, 2, 4).transpose(1, 2)], ok, dst, lengths)
+    with pytest.raises(RuntimeError, match=r"must be \[B, H, S, Dh\]"):
+        ops.compact_kv_layers_([caches[0], torch.randn(2, 20, 4)], ok, dst, lengths)
+
+
 def paged_case(seed: int, batch: int = 3, page_size: int = 4, pages_per_request: int = 6, l_max: int = 9):
     """Pools for 2 layers (keys [P, page, H, 8] bf16, values [P, page, H, 6] fp32, so copy units
     differ), block tables that give each request scattered, distinct pages, and moves that cross

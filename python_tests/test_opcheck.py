@@ -35,6 +35,11 @@ def _sample_args(name: str, device: str):
         return (torch.randn(3, 2, 30, 8, device=device), torch.randn(3, 2, 30, 4, device=device),
                 torch.tensor([[10, 12, 13], [5, 6, 0], [0, 0, 0]], device=device),
                 torch.tensor([9, 4, 0], device=device), torch.tensor([3, 2, 0], dtype=torch.int32, device=device))
+    if name == "compact_kv_layers_":
+        caches = [torch.randn(3, 2, 30, 8, device=device), torch.randn(3, 1, 30, 4, device=device).half(),
+                  torch.randn(3, 4, 30, 6, device=device).bfloat16()]
+        return (caches, torch.tensor([[10, 12, 13], [5, 6, 0], [0, 0, 0]], device=device),
+                torch.tensor([9, 4, 0], device=device), torch.tensor([3, 2, 0], dtype=torch.int32, device=device))
     if name == "compact_kv_paged_":
         pools = [torch.randn(7, 4, 2, 8, device=device), torch.randn(7, 4, 2, 6, device=device).half()]
         table = torch.tensor([[3, 0, 5], [1, 2, 6]], dtype=torch.int32, device=device)
@@ -60,7 +65,7 @@ def _sample_args(name: str, device: str):
 @pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "packed_tree_mask",
                                   "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
-                                  "build_supertree", "compact_kv_", "compact_kv_paged_"])
+                                  "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_"])
 def test_opcheck(name, device):
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

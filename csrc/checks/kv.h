@@ -1,8 +1,10 @@
-// Input checks of the KV-compaction ops (compact_kv_, compact_kv_paged_) and the paged copy unit.
+// Input checks of the KV-compaction ops (compact_kv_, compact_kv_layers_, compact_kv_paged_) and their
+// copy units.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -10,27 +12,10 @@
 
 namespace dartree {
 
-// compact_kv_: one cache tensor [B, H, S, Dh] and the moves, all on one device.
-inline void check_compact_kv_inputs(const at::Tensor& cache, const char* name, const at::Tensor& src_positions,
-                                    const at::Tensor& dst_start, const at::Tensor& lengths) {
-  const char* op = "compact_kv_";
-  TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be [B, H, S, Dh], got shape ", cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), op, ": ", name, " must be contiguous");
-  check_same_device(op, name, cache, src_positions, "src_positions");
-  const int64_t batch = src_positions.size(0);
-  TORCH_CHECK(cache.size(0) == batch, op, ": ", name, " must have batch size ", batch, " (dim 0), got ", cache.sizes());
-  TORCH_CHECK(cache.size(2) < (int64_t{1} << 31) && cache.size(3) < (int64_t{1} << 31) && cache.size(1) <= 65535, op,
-              ": ", name, " is too large: ", cache.sizes());
-}
-
-inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
-                                   const at::Tensor& dst_start, const at::Tensor& lengths) {
-  const char* op = "compact_kv_";
-  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4, op, ": keys and values must be [B, H, S, Dh], got ", keys.sizes(),
-              " and ", values.sizes());
-  TORCH_CHECK_VALUE(keys.size(0) == values.size(0) && keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
-                    op, ": keys ", keys.sizes(), " and values ", values.sizes(),
-                    " must agree on [B, H, S] (only the head dim may differ)");
+// The moves of compact_kv_ / compact_kv_layers_: src_positions int64[B, L], dst_start int64[B],
+// lengths int32[B], on one device.
+inline void check_kv_moves(const char* op, const at::Tensor& src_positions, const at::Tensor& dst_start,
+                           const at::Tensor& lengths) {
   check_tensor(op, "src_positions", src_positions, at::kLong, 2);
   check_tensor(op, "dst_start", dst_start, at::kLong, 1);
   check_tensor(op, "lengths", lengths, at::kInt, 1);
@@ -44,11 +29,54 @@ inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& val
   TORCH_CHECK_VALUE(!src_positions.is_cuda() || batch <= 65535, op, ": CUDA takes at most 65535 requests");
 }
 
+// Cache tensors [B, H_c, S, Dh_c] (contiguous, on the moves' device), the same B (the moves') and S.
+// Errors name tensor c names[c] when given, else caches[c].
+inline void check_kv_layer_caches(const char* op, at::TensorList caches, const at::Tensor& src_positions,
+                                  const std::vector<std::string>& names = {}) {
+  TORCH_CHECK_VALUE(!caches.empty(), op, ": caches must hold at least one tensor");
+  const int64_t batch = src_positions.size(0);
+  for (size_t c = 0; c < caches.size(); ++c) {
+    const at::Tensor& cache = caches[c];
+    const std::string name = c < names.size() ? names[c] : "caches[" + std::to_string(c) + "]";
+    TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be [B, H, S, Dh], got shape ", cache.sizes());
+    TORCH_CHECK(cache.is_contiguous(), op, ": ", name, " must be contiguous");
+    check_same_device(op, name.c_str(), cache, src_positions, "src_positions");
+    TORCH_CHECK_VALUE(cache.size(0) == batch, op, ": ", name, " must have batch size ", batch,
+                      " (dim 0, as src_positions), got ", cache.sizes());
+    TORCH_CHECK_VALUE(cache.size(2) == caches[0].size(2), op, ": ", name, " ", cache.sizes(), " and the first cache ",
+                      caches[0].sizes(), " must have the same sequence length (dim 2)");
+    TORCH_CHECK(cache.size(2) < (int64_t{1} << 31) && cache.size(3) < (int64_t{1} << 31) && cache.size(1) <= 65535,
+                op, ": ", name, " is too large: ", cache.sizes());
+  }
+}
+
+inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
+                                   const at::Tensor& dst_start, const at::Tensor& lengths) {
+  const char* op = "compact_kv_";
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4, op, ": keys and values must be [B, H, S, Dh], got ", keys.sizes(),
+              " and ", values.sizes());
+  TORCH_CHECK_VALUE(keys.size(0) == values.size(0) && keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
+                    op, ": keys ", keys.sizes(), " and values ", values.sizes(),
+                    " must agree on [B, H, S] (only the head dim may differ)");
+  check_kv_moves(op, src_positions, dst_start, lengths);
+}
+
+// The widest copy unit (8, 4, 2 or 1 bytes) that divides every cache's row (Dh x element size)
+// and every cache's address.
+inline int layer_unit_bytes(at::TensorList caches) {
+  int unit = 8;
+  for (const auto& cache : caches) {
+    const int64_t row_bytes = cache.size(3) * cache.element_size();
+    const auto address = reinterpret_cast<uintptr_t>(cache.data_ptr());
+    while (unit > 1 && (row_bytes % unit != 0 || address % unit != 0)) unit /= 2;
+  }
+  return unit;
+}
+
 // Values, on the CPU: each request moves lengths[b] entries from increasing positions
 // src_positions[b, :lengths[b]] >= dst_start[b] to dst_start[b] + i, inside a sequence of `seq`.
-inline void check_compact_kv_values_cpu(const at::Tensor& src_positions, const at::Tensor& dst_start,
+inline void check_compact_kv_values_cpu(const char* op, const at::Tensor& src_positions, const at::Tensor& dst_start,
                                         const at::Tensor& lengths, int64_t seq) {
-  const char* op = "compact_kv_";
   const int64_t batch = src_positions.size(0), l_max = src_positions.size(1);
   const int64_t* src = src_positions.data_ptr<int64_t>();
   const int64_t* dst = dst_start.data_ptr<int64_t>();

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <vector>
 
 #include "../checks/kv.h"
 
@@ -10,20 +11,24 @@ namespace dartree {
 namespace {
 
 // Rows move in increasing order; the checked precondition (sources increasing and at or after
-// their destination) means a row is never overwritten before it has been read.
-void compact_one_cpu(const at::Tensor& cache, const char* name, const at::Tensor& src_positions,
-                     const at::Tensor& dst_start, const at::Tensor& lengths) {
-  check_compact_kv_inputs(cache, name, src_positions, dst_start, lengths);
-  const int64_t batch = cache.size(0), heads = cache.size(1), seq = cache.size(2);
-  const int64_t row_bytes = cache.size(3) * cache.element_size(), l_max = src_positions.size(1);
-  auto* base = static_cast<char*>(cache.data_ptr());
+// their destination) means a row is never overwritten before it has been read. Caches x requests
+// x heads run in parallel.
+void compact_caches_cpu(at::TensorList caches, const at::Tensor& src_positions, const at::Tensor& dst_start,
+                        const at::Tensor& lengths) {
+  const int64_t batch = src_positions.size(0), l_max = src_positions.size(1);
   const int64_t* src = src_positions.data_ptr<int64_t>();
   const int64_t* dst = dst_start.data_ptr<int64_t>();
   const int32_t* len = lengths.data_ptr<int32_t>();
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / heads;
-      char* rows = base + bh * seq * row_bytes;
+  std::vector<int64_t> first_row{0};  // cache c's (b, h) rows are [first_row[c], first_row[c + 1])
+  for (const auto& cache : caches) first_row.push_back(first_row.back() + batch * cache.size(1));
+  at::parallel_for(0, first_row.back(), 1, [&](int64_t begin, int64_t end) {
+    size_t c = 0;
+    for (int64_t job = begin; job < end; ++job) {
+      while (job >= first_row[c + 1]) ++c;
+      const at::Tensor& cache = caches[c];
+      const int64_t bh = job - first_row[c], b = bh / cache.size(1), seq = cache.size(2);
+      const int64_t row_bytes = cache.size(3) * cache.element_size();
+      char* rows = static_cast<char*>(cache.data_ptr()) + bh * seq * row_bytes;
       for (int64_t i = 0; i < len[b]; ++i) {
         const int64_t from = src[b * l_max + i], to = dst[b] + i;
         if (from != to) std::memcpy(rows + to * row_bytes, rows + from * row_bytes, row_bytes);
@@ -35,9 +40,18 @@ void compact_one_cpu(const at::Tensor& cache, const char* name, const at::Tensor
 void compact_kv_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& lengths) {
   check_compact_kv_moves(keys, values, src_positions, dst_start, lengths);
-  check_compact_kv_values_cpu(src_positions, dst_start, lengths, keys.size(2));
-  compact_one_cpu(keys, "keys", src_positions, dst_start, lengths);
-  compact_one_cpu(values, "values", src_positions, dst_start, lengths);
+  check_kv_layer_caches("compact_kv_", {keys, values}, src_positions, {"keys", "values"});
+  check_compact_kv_values_cpu("compact_kv_", src_positions, dst_start, lengths, keys.size(2));
+  compact_caches_cpu({keys, values}, src_positions, dst_start, lengths);
+}
+
+// Every value is checked before any row moves (a bad input leaves the caches as they were).
+void compact_kv_layers_cpu(at::TensorList caches, const at::Tensor& src_positions, const at::Tensor& dst_start,
+                           const at::Tensor& lengths) {
+  check_kv_moves("compact_kv_layers_", src_positions, dst_start, lengths);
+  check_kv_layer_caches("compact_kv_layers_", caches, src_positions);
+  check_compact_kv_values_cpu("compact_kv_layers_", src_positions, dst_start, lengths, caches[0].size(2));
+  compact_caches_cpu(caches, src_positions, dst_start, lengths);
 }
 
 // Paged pools: every value is checked before any row moves (a bad input leaves the pools as
@@ -75,6 +89,7 @@ void compact_kv_paged_cpu(at::TensorList caches, const at::Tensor& block_table, 
 
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("compact_kv_", &compact_kv_cpu);
+  m.impl("compact_kv_layers_", &compact_kv_layers_cpu);
   m.impl("compact_kv_paged_", &compact_kv_paged_cpu);
 }
 

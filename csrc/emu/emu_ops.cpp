@@ -261,11 +261,20 @@ int emu_compact_kv_paged(void* const* bases, const int64_t* row_units, int count
   });
 }
 
-int emu_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
-                   const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max) {
+int emu_compact_kv_layers(void* const* bases, const int64_t* row_units, const int32_t* heads, int count,
+                          int unit_bytes, int batch, int64_t seq, const int64_t* src_positions,
+                          const int64_t* dst_start, const int32_t* lengths, int l_max) {
   return guarded([&] {
-    dartree::kernels::launch_compact_kv(cache, element_bytes, batch, heads, seq, dim, src_positions, dst_start,
-                                        lengths, l_max, nullptr);
+    if (count > dartree::kernels::kMaxKvLayerCaches) throw std::invalid_argument("too many caches for one launch");
+    dartree::kernels::LayerKvCaches caches{};
+    for (int c = 0; c < count; ++c) {
+      caches.base[c] = bases[c];
+      caches.row_units[c] = row_units[c];
+      caches.heads[c] = heads[c];
+    }
+    caches.count = count;
+    dartree::kernels::launch_compact_kv_layers(caches, unit_bytes, batch, seq, src_positions, dst_start, lengths,
+                                               l_max, nullptr);
   });
 }
 

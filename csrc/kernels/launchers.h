@@ -57,12 +57,21 @@ void launch_ddtree_heap(const float* logprobs, const int64_t* token_ids, const i
                         int depth_max, int k, int budget, int64_t* tokens, int32_t* parents, int32_t* depths,
                         float* scores, int32_t* num_nodes, cudaStream_t stream);
 
-// kv area: in-place compaction of one [B, H, S, Dh] cache tensor with `element_bytes`-wide elements;
-// src_positions [B, l_max], dst_start [B], lengths [B]. At most kMaxKvMoves entries per request.
+// kv area: in-place compaction of [B, H_c, S, Dh_c] cache tensors (every layer's keys and values,
+// up to kMaxKvLayerCaches per launch, passed by value; the same B and S, heads and row width per
+// tensor), rows of row_units[c] units of `unit_bytes` (1, 2, 4 or 8) each; src_positions
+// [B, l_max], dst_start [B], lengths [B]. At most kMaxKvMoves entries per request.
 constexpr int kMaxKvMoves = 4096;
-void launch_compact_kv(void* cache, int element_bytes, int batch, int heads, int64_t seq, int dim,
-                       const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths, int l_max,
-                       cudaStream_t stream);
+constexpr int kMaxKvLayerCaches = 64;
+struct LayerKvCaches {
+  void* base[kMaxKvLayerCaches];
+  int64_t row_units[kMaxKvLayerCaches];
+  int heads[kMaxKvLayerCaches];
+  int count;
+};
+void launch_compact_kv_layers(const LayerKvCaches& caches, int unit_bytes, int batch, int64_t seq,
+                              const int64_t* src_positions, const int64_t* dst_start, const int32_t* lengths,
+                              int l_max, cudaStream_t stream);
 // Paged pools [num_pages, page_size, ...] (every layer's keys and values, up to kMaxPagedCaches
 // per launch, passed by value): request b's logical position p lives in slot
 // block_table[b, p / page_size] * page_size + p % page_size of every pool; rows of

@@ -3,7 +3,7 @@
 After a verification forward, each layer of the target's cache holds the committed prefix
 followed by every tree node's entry. :func:`compact_cache_` keeps the accepted path's entries:
 for each request they move to the slots right after its committed prefix (one
-:func:`dartree_ext.ops.compact_kv_` per layer), and a croppable cache (``DynamicCache``) is cut
+:func:`dartree_ext.ops.compact_kv_layers_` for every layer), and a croppable cache (``DynamicCache``) is cut
 to ``new_length`` slots. A static cache (``StaticCache``) keeps its size; the caller's
 attention mask hides the slots past each request's length.
 """
@@ -34,11 +34,10 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
     """Move, in every layer, request ``b``'s entries at ``src_positions[b, :lengths[b]]``
     (int64, increasing, ``>= dst_start[b]``) to ``dst_start[b] + i``; then crop a croppable
     cache to ``new_length`` slots (``None``: leave its length). Returns ``cache``."""
-    for layer in cache_layers(cache):
-        keys, values = layer.keys, layer.values
-        if not (keys.is_contiguous() and values.is_contiguous()):
-            raise ValueError("cache keys/values must be contiguous for in-place compaction")
-        ops.compact_kv_(keys, values, src_positions, dst_start, lengths)
+    tensors = [t for layer in cache_layers(cache) for t in (layer.keys, layer.values)]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("cache keys/values must be contiguous for in-place compaction")
+    ops.compact_kv_layers_(tensors, src_positions, dst_start, lengths)
     if new_length is not None and type(cache).__name__ != "StaticCache":
         for layer in cache_layers(cache):
             if layer.keys.shape[2] > new_length:
