@@ -146,7 +146,9 @@ def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref) -> Row:
 
 def kv_cases(batch: int, device: torch.device):
     """compact_kv_ on one layer of a SmolLM2-135M-shaped cache (3 KV heads x 64, 1024 slots), 17
-    accepted entries per request (a full 16-position path plus the root) after a 700-token prefix."""
+    accepted entries per request (a full 16-position path plus the root) after a 700-token prefix;
+    compact_kv_layers_ on all 30 layers against compact_kv_ called per layer (the "reference"
+    column of that row)."""
     gen = torch.Generator().manual_seed(batch)
     keys = torch.randn(batch, 3, 1024, 64, generator=gen).to(device)
     values = torch.randn(batch, 3, 1024, 64, generator=gen).to(device)
@@ -157,6 +159,16 @@ def kv_cases(batch: int, device: torch.device):
     yield ("compact_kv_", "H=3 S=1024 Dh=64 L=17",
            lambda: (ops.compact_kv_(ours_k, ours_v, src, dst, lengths), ours_k)[1],
            lambda: (reference.compact_kv_(ref_k, ref_v, src, dst, lengths), ref_k)[1])
+    # every layer of the same cache (30 layers x K and V) in one call, against compact_kv_ per layer
+    layers = [torch.randn(batch, 3, 1024, 64, generator=gen).to(device) for _ in range(60)]
+    ours_all, per_layer = [t.clone() for t in layers], [t.clone() for t in layers]
+
+    def each_layer():
+        for k in range(0, 60, 2):
+            ops.compact_kv_(per_layer[k], per_layer[k + 1], src, dst, lengths)
+        return per_layer[-1]
+    yield ("compact_kv_layers_ vs compact_kv_ x 30", "30 x (K, V) H=3 S=1024 Dh=64 L=17",
+           lambda: (ops.compact_kv_layers_(ours_all, src, dst, lengths), ours_all[-1])[1], each_layer)
 
 
 def run(devices: list[str], batches: list[int], nodes: list[int], past: int, select_batches: list[int],

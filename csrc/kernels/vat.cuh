@@ -3,7 +3,8 @@
 //  * vat_row_forward  (grid R, one block per row of V logits): one online pass over the draft and
 //    target rows (max / argmax, sum of exp, and sum_i p_i * draft_i for the soft CE, each rescaled
 //    when the running max grows), a block merge in a fixed order (deterministic), then for the
-//    sampling rule an inverse-CDF scan of softmax(draft / T) in tiles of blockDim elements;
+//    sampling rule an inverse-CDF scan of softmax(draft / T) over the one segment of the row (each
+//    warp reads a contiguous segment) whose mass passes the sample;
 //  * vat_row_backward (grid R): grad = g_q q - g_p p - g_y onehot(y) from the saved logsumexps;
 //  * vat_block_weights (one thread per block of K positions): first rejection and loss weights.
 // Logits are float32, bfloat16, float16 (float32 arithmetic) or float64 (float64 arithmetic).
@@ -142,33 +143,12 @@ DARTREE_DEVICE RowStats<Acc> block_merge_stats(RowStats<Acc> mine, RowStats<Acc>
   return s_warps[32];
 }
 
-// Inclusive prefix sum of one value per thread over the block (blockDim.x <= 1024); also returns
-// the block total. `s_scratch` holds 33 values. Every thread must call it.
+// The q_T mass of warp w's segment (its per-warp statistics from block_merge_stats), relative to
+// exp(max) of the whole row.
 template <typename Acc>
-DARTREE_DEVICE Acc block_inclusive_scan(Acc value, Acc* s_scratch, Acc* total) {
-  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
-  const int warps = (blockDim.x + warpSize - 1) / warpSize;
-  Acc inclusive = value;
-  for (int offset = 1; offset < warpSize; offset *= 2) {
-    const Acc up = __shfl_up_sync(kFullWarpMask, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
-  if (lane == warpSize - 1) s_scratch[warp] = inclusive;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Acc running = Acc(0);
-    for (int w = 0; w < warps; ++w) {
-      const Acc t = s_scratch[w];
-      s_scratch[w] = running;
-      running += t;
-    }
-    s_scratch[32] = running;
-  }
-  __syncthreads();
-  *total = s_scratch[32];
-  const Acc result = s_scratch[warp] + inclusive;
-  __syncthreads();  // scratch reusable right after
-  return result;
+DARTREE_DEVICE Acc segment_mass(const OnlineLse<Acc>& seg, Acc row_max) {
+  if (seg.arg == kNoCandidate || seg.max == static_cast<Acc>(-__builtin_huge_val())) return Acc(0);
+  return seg.sum * vat_exp<Acc>(seg.max - row_max);
 }
 
 template <typename Elem, typename Acc, bool kSample, bool kScaled>
@@ -176,14 +156,21 @@ __global__ void vat_row_forward_kernel(const Elem* draft, const Elem* target, co
                                        const float* uniforms, int64_t vocab, Acc inv_temperature, Acc* ce_soft,
                                        Acc* ce_hard, Acc* draft_lse, Acc* target_lse, float* accept) {
   DARTREE_SHARED_ARRAY(RowStats<Acc>, s_warps, 33);
-  DARTREE_SHARED_ARRAY(Acc, s_scan, 33);
-  DARTREE_SHARED_ARRAY(int, s_found, 1);
+  DARTREE_SHARED_ARRAY(Acc, s_before, 1);
+  DARTREE_SHARED_ARRAY(int, s_found, 2);
   const int64_t row = blockIdx.x;
   const int v = static_cast<int>(vocab);
   const Elem* d_row = draft + row * vocab;
   const Elem* t_row = target + row * vocab;
+  // Warp w reads the contiguous segment [w * seg, (w + 1) * seg) of the row, 32 consecutive
+  // elements per step (coalesced), so its statistics after the warp merge are the segment's: the
+  // sampling rule then scans only the one segment that holds the sample.
+  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
+  const int warps = blockDim.x / warpSize;
+  const int seg = ((v + warps - 1) / warps + warpSize - 1) / warpSize * warpSize;
+  const int seg_begin = min_int(v, warp * seg), seg_end = min_int(v, seg_begin + seg);
   RowStats<Acc> mine{lse_empty<Acc>(), lse_empty<Acc>(), lse_empty<Acc>(), lse_empty<Acc>()};
-  for (int i = threadIdx.x; i < v; i += blockDim.x) {
+  for (int i = seg_begin + lane; i < seg_end; i += warpSize) {
     const Acc d = static_cast<Acc>(to_float(d_row[i]));
     const Acc t = static_cast<Acc>(to_float(t_row[i]));
     lse_add<Acc, false>(mine.d, d, Acc(0), i);
@@ -198,28 +185,49 @@ __global__ void vat_row_forward_kernel(const Elem* draft, const Elem* target, co
   const OnlineLse<Acc>& tp = kScaled ? all.tt : all.t;  // target at temperature T
   float accepted = all.d.arg == all.t.arg ? 1.0f : 0.0f;  // greedy rule
   if (kSample) {
-    // inverse CDF of q_T over tiles of blockDim indices, in index order
+    // inverse CDF of q_T: thread 0 finds the segment whose cumulative mass passes the goal, then
+    // that segment's warp scans it 32 elements at a time (and on past its end, should rounding
+    // put the goal there), with no block barrier inside the scan
     const Acc goal = static_cast<Acc>(uniforms[row * 2]) * dq.sum;
-    Acc carry = Acc(0);
-    int chosen = kNoCandidate;
-    for (int base = 0; base < v; base += blockDim.x) {
-      const int i = base + static_cast<int>(threadIdx.x);
-      Acc e = Acc(0);
-      if (i < v) {
-        const Acc x = static_cast<Acc>(to_float(d_row[i])) * (kScaled ? inv_temperature : Acc(1));
-        e = x == -__builtin_huge_val() ? Acc(0) : vat_exp<Acc>(x - dq.max);
+    if (threadIdx.x == 0) {
+      Acc before = Acc(0);
+      int first = kNoCandidate;
+      for (int w = 0; w < warps; ++w) {
+        const Acc mass = segment_mass<Acc>(kScaled ? s_warps[w].dt : s_warps[w].d, dq.max);
+        if (mass > Acc(0) && before + mass > goal) {
+          first = w;
+          break;
+        }
+        before += mass;
       }
-      Acc tile_total;
-      const Acc inclusive = carry + block_inclusive_scan<Acc>(e, s_scan, &tile_total);
-      if (threadIdx.x == 0) s_found[0] = kNoCandidate;
-      __syncthreads();
-      if (i < v && e > Acc(0) && inclusive > goal) atomicMin(&s_found[0], i);
-      __syncthreads();
-      chosen = s_found[0];
-      __syncthreads();  // s_found is rewritten by the next tile
-      if (chosen != kNoCandidate) break;  // uniform over the block
-      carry += tile_total;
+      s_found[0] = first;
+      s_found[1] = kNoCandidate;
+      s_before[0] = before;
     }
+    __syncthreads();
+    if (warp == s_found[0]) {
+      Acc carry = s_before[0];
+      int found = kNoCandidate;
+      for (int base = seg_begin; base < v && found == kNoCandidate; base += warpSize) {
+        const int i = base + lane;
+        Acc e = Acc(0);
+        if (i < v) {
+          const Acc x = static_cast<Acc>(to_float(d_row[i])) * (kScaled ? inv_temperature : Acc(1));
+          e = x == -__builtin_huge_val() ? Acc(0) : vat_exp<Acc>(x - dq.max);
+        }
+        Acc inclusive = e;
+        for (int offset = 1; offset < warpSize; offset *= 2) {
+          const Acc up = __shfl_up_sync(kFullWarpMask, inclusive, offset);
+          if (lane >= offset) inclusive += up;
+        }
+        const unsigned hit = __ballot_sync(kFullWarpMask, i < v && e > Acc(0) && carry + inclusive > goal);
+        if (hit != 0u) found = base + __ffs(static_cast<int>(hit)) - 1;
+        carry += __shfl_sync(kFullWarpMask, inclusive, warpSize - 1);
+      }
+      if (lane == 0) s_found[1] = found;
+    }
+    __syncthreads();
+    int chosen = s_found[1];
     if (chosen == kNoCandidate) chosen = all.d.arg;  // the goal fell past the summed total by rounding
     if (chosen < 0 || chosen >= v) chosen = 0;        // only for NaN rows: stay in bounds
     if (threadIdx.x == 0) {
