@@ -148,3 +148,11 @@ def test_ancestor_bits_at_the_node_limit(backend, kind):
     parents, num_nodes = random_batch(1, 8192, seed=9, kind=kind)
     assert_same(backend.ops.tree_ancestor_bits(*backend.put(parents, num_nodes)),
                 reference.tree_ancestor_bits(parents, num_nodes))
+
+
+@pytest.mark.parametrize("kind", ["random", "star", "bushy"])
+def test_links_large(backend, kind):
+    """N = 8192: 256 chunks of 32 nodes for the CUDA kernel's sibling walk, siblings far apart
+    (star: every node's next sibling is the next node; random: siblings across many chunks)."""
+    parents, num_nodes = random_batch(2, 8192, seed=11, kind=kind)
+    assert_same(backend.ops.tree_links(*backend.put(parents, num_nodes)), reference.tree_links(parents, num_nodes))

@@ -398,6 +398,26 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   ::dartree_emu::warp_barrier(mask);
   return bits & mask;
 }
+// The lanes of `mask` whose `value` equals this lane's (4- or 8-byte values, as on sm_70+).
+template <typename T>
+unsigned __match_any_sync(unsigned mask, T value) {
+  static_assert((sizeof(T) == 4 || sizeof(T) == 8) && std::is_trivially_copyable<T>::value,
+                "__match_any_sync takes 4- or 8-byte values");
+  ::dartree_emu::Runtime& rt = ::dartree_emu::runtime();
+  const unsigned me = ::dartree_emu::self().linear;
+  const unsigned warp_base = me - me % ::dartree_emu::kWarpSize;
+  uint64_t slot = 0;
+  std::memcpy(&slot, &value, sizeof(T));
+  rt.exchange[me] = slot;
+  ::dartree_emu::warp_barrier(mask);
+  unsigned bits = 0;
+  for (unsigned lane = 0; lane < 32 && warp_base + lane < rt.fibers.size(); ++lane) {
+    const ::dartree_emu::Fiber& f = rt.fibers[warp_base + lane];
+    if (f.state != ::dartree_emu::FiberState::kDone && rt.exchange[warp_base + lane] == slot) bits |= 1u << lane;
+  }
+  ::dartree_emu::warp_barrier(mask);
+  return bits & mask;
+}
 inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
 inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, !predicate) == 0; }
 

@@ -159,9 +159,8 @@ void launch_tree_attention_mask(const int32_t* parents, const int32_t* num_nodes
   }
 }
 
-// grid (B). Building sibling lists is a short sequential pass in shared memory (children are
-// pushed from the highest index down, so each list ends up in index order); the block loads the
-// parents and writes the links out in parallel. int16 indices keep both arrays within 32 KiB.
+// grid (B). The block loads the parents and writes the links out in parallel; one warp links the
+// siblings in shared memory, 32 nodes per step (below). int16 indices keep the arrays small.
 __global__ void tree_links_kernel(const int32_t* parents, const int32_t* num_nodes, int n_max,
                                   int32_t* next_token, int32_t* next_sibling) {
   DARTREE_DYNAMIC_SHARED(int16_t, s_parent);
@@ -175,12 +174,22 @@ __global__ void tree_links_kernel(const int32_t* parents, const int32_t* num_nod
     s_next_sibling[i] = -1;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int i = n - 1; i >= 1; --i) {
-      const int p = s_parent[i];
-      if (p < 0) continue;
-      s_next_sibling[i] = s_first_child[p];
-      s_first_child[p] = static_cast<int16_t>(i);
+  // Warp 0 walks the nodes 32 at a time, from the last chunk to the first. In a chunk, lanes with
+  // the same parent find each other with one match: a node's next sibling is the next such lane,
+  // or else the parent's first child in the chunks after this one (s_first_child so far); then
+  // each parent's lowest lane in the chunk becomes its first child.
+  if (threadIdx.x < warpSize) {
+    const int lane = static_cast<int>(threadIdx.x);
+    for (int base = n > 0 ? (n - 1) / warpSize * warpSize : -1; base >= 0; base -= warpSize) {
+      const int i = base + lane;
+      const int p = i >= 1 && i < n ? s_parent[i] : -1;
+      const unsigned same = __match_any_sync(kFullWarpMask, p);
+      const unsigned after = lane == warpSize - 1 ? 0u : same & (kFullWarpMask << (lane + 1));
+      if (p >= 0) s_next_sibling[i] = after ? static_cast<int16_t>(base + __ffs(static_cast<int>(after)) - 1)
+                                            : s_first_child[p];
+      __syncwarp();
+      if (p >= 0 && lane == __ffs(static_cast<int>(same)) - 1) s_first_child[p] = static_cast<int16_t>(i);
+      __syncwarp();
     }
   }
   __syncthreads();
