@@ -222,7 +222,7 @@ def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
                              lookup=0)  # the drafter alone (a context continuation can pay here)
     passes = []
     forward = drafter.forward
-    drafter.forward = lambda *a: passes.append(1) or forward(*a)
+    drafter.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
     try:
         out = check_greedy(dec, prompts, refs, NEW)
     finally:
