@@ -159,6 +159,7 @@ class EmulatedOps:
             fn.restype = ctypes.c_int
         self.lib.emu_last_error.restype = ctypes.c_char_p
         self.lib.emu_kernel_traffic.restype = ctypes.c_char_p
+        self.lib.emu_reset_kernel_traffic.restype = None
         self.lib.emu_instrumented.restype = ctypes.c_int
         if bool(self.lib.emu_instrumented()) != instrumented:
             raise RuntimeError("the emulation library's build does not match `instrumented`")
@@ -206,6 +207,9 @@ class EmulatedOps:
             name, *counts = line.rsplit(" ", 3)
             traffic[name] = tuple(int(c) for c in counts)
         return traffic
+
+    def reset_kernel_traffic(self) -> None:
+        self.lib.emu_reset_kernel_traffic()
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[GlobalTraffic]:

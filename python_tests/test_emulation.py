@@ -190,6 +190,9 @@ def test_global_bytes_of_a_copy_are_counted_exactly(instrumented, count):
                           ranges=[_extent(values), _extent(out)])
     assert (traffic.read_bytes, traffic.write_bytes, traffic.launches) == (4 * count, 4 * count, 1)
     assert traffic.per_kernel == {"copy_prefix_kernel": (1, 4 * count, 4 * count)}
+    assert instrumented.kernel_traffic()["copy_prefix_kernel"][0] >= 1
+    instrumented.reset_kernel_traffic()
+    assert instrumented.kernel_traffic() == {}
 
 
 @needs_clang

@@ -184,6 +184,12 @@ const char* emu_kernel_traffic() {
   return traffic_report.c_str();
 }
 
+void emu_reset_kernel_traffic() {
+  dartree_emu::Runtime& rt = dartree_emu::runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  rt.memory.per_kernel.clear();
+}
+
 // 0: forward thread order, 1: reverse, 2: shuffled at every sweep (seeded).
 int emu_set_schedule(int mode, uint64_t seed) {
   return guarded([&] {
