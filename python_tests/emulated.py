@@ -111,7 +111,7 @@ def _words(n: int) -> int:
     return (n + 63) // 64
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
     """The bytes [begin, end) a tensor's elements occupy (strided views included)."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
@@ -178,7 +178,7 @@ class EmulatedOps:
         return ctypes.c_void_p(self._addr(t))
 
     def _addr(self, t: torch.Tensor) -> int:
-        self._ranges.append(_extent(t))
+        self._ranges.append(byte_range(t))
         return t.data_ptr()
 
     def call(self, name: str, *args, ranges: list[tuple[int, int]] | None = None) -> None:

@@ -8,8 +8,9 @@ import ctypes
 import pytest
 import torch
 
+import emulated
 from conftest import emulated_ops
-from emulated import FORWARD, REVERSE, SHUFFLED, EmulatedOps, _extent, instrumenting_compiler
+from emulated import FORWARD, REVERSE, SHUFFLED, EmulatedOps, byte_range, instrumenting_compiler
 
 
 def _ptr(t):
@@ -154,7 +155,7 @@ def instrumented():
 @needs_clang
 def test_global_read_past_the_input_is_an_error(instrumented):
     values, out = torch.arange(40, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
-    ranges = [_extent(values), _extent(out)]
+    ranges = [byte_range(values), byte_range(out)]
     instrumented.call("emu_copy_prefix", _ptr(values), 40, 0, _ptr(out), ranges=ranges)  # in bounds: runs
     assert torch.equal(out[:40], values)
     with pytest.raises(RuntimeError, match=r"global memory read out of bounds in copy_prefix_kernel, block \(1, 0, 0\), "
@@ -167,16 +168,22 @@ def test_global_read_past_the_input_is_an_error(instrumented):
 def test_global_write_outside_the_registered_tensors_is_an_error(instrumented):
     values, out = torch.arange(40, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="global memory write out of bounds in copy_prefix_kernel"):
-        instrumented.call("emu_copy_prefix", _ptr(values), 40, 0, _ptr(out), ranges=[_extent(values)])
+        instrumented.call("emu_copy_prefix", _ptr(values), 40, 0, _ptr(out), ranges=[byte_range(values)])
 
 
 @needs_clang
-def test_ops_register_their_tensors(instrumented):
-    """An op checks its own tensors: in bounds it runs clean, and it needs nothing else."""
+def test_ops_register_their_tensors(instrumented, monkeypatch):
+    """An op checks its own tensors: with all of them registered it runs clean; with its int64
+    output left out, the kernel's first store to it is an error."""
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 0, 0]], dtype=torch.int32)
     num_nodes = torch.tensor([6], dtype=torch.int32)
     bits, depths = instrumented.tree_ancestor_bits(parents, num_nodes)
     assert depths[0, :6].tolist() == [0, 1, 1, 2, 2, 2]
+    real = emulated.byte_range
+    monkeypatch.setattr(emulated, "byte_range",
+                        lambda t: (t.data_ptr(), t.data_ptr()) if t.dtype == torch.int64 else real(t))
+    with pytest.raises(RuntimeError, match="global memory write out of bounds in tree_ancestor_bits_kernel"):
+        instrumented.tree_ancestor_bits(parents, num_nodes)
 
 
 @needs_clang
@@ -187,7 +194,7 @@ def test_global_bytes_of_a_copy_are_counted_exactly(instrumented, count):
     values, out = torch.arange(count, dtype=torch.int32), torch.zeros(count, dtype=torch.int32)
     with instrumented.counting() as traffic:
         instrumented.call("emu_copy_prefix", _ptr(values), count, 0, _ptr(out),
-                          ranges=[_extent(values), _extent(out)])
+                          ranges=[byte_range(values), byte_range(out)])
     assert (traffic.read_bytes, traffic.write_bytes, traffic.launches) == (4 * count, 4 * count, 1)
     assert traffic.per_kernel == {"copy_prefix_kernel": (1, 4 * count, 4 * count)}
     assert instrumented.kernel_traffic()["copy_prefix_kernel"][0] >= 1
