@@ -57,7 +57,10 @@ EMU_SEED = int(os.environ.get("DARTREE_EMU_SEED") or int.from_bytes(os.urandom(4
 
 
 def pytest_report_header(config):
-    return f"CUDA emulator schedule seed: {EMU_SEED} (DARTREE_EMU_SEED={EMU_SEED} reproduces it)"
+    build = ("instrumented: global-memory bounds checked (DARTREE_EMU_INSTRUMENT=1)"
+             if os.environ.get("DARTREE_EMU_INSTRUMENT") == "1" else "plain")
+    return [f"CUDA emulator schedule seed: {EMU_SEED} (DARTREE_EMU_SEED={EMU_SEED} reproduces it)",
+            f"CUDA emulator build: {build}"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -3,16 +3,24 @@
 The shared library is built from csrc/emu/emu_ops.cpp with the host C++ compiler (no torch
 headers, a few seconds) into python_tests/.emu_build/, keyed by a hash of the sources, and called
 through ctypes on CPU tensors. ``EmulatedOps`` mirrors the signatures of ``dartree_ext.ops``.
+
+The instrumented build (``EmulatedOps(instrumented=True)``, or ``DARTREE_EMU_INSTRUMENT=1`` for
+the tests' backend) is compiled by clang++ with load/store tracing: every op then registers the
+byte ranges of the tensors it passes, a kernel access to global memory outside them is an error,
+and ``counting()`` reports the global-memory bytes the kernels read and wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import pathlib
 import shutil
 import subprocess
 import tempfile
+from typing import Iterator
 
 import torch
 
@@ -26,6 +34,8 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {
     "emu_set_schedule": [_I, ctypes.c_uint64],
+    "emu_set_global_ranges": [_P, _I],
+    "emu_copy_prefix": [_P, _I, _I, _P],
     "emu_block_sum": [_P, _I, _I, _I, _P],
     "emu_warp_primitives": [_P, _I, _P, _P, _P, _P],
     "emu_divergent_barrier": [_P],
@@ -57,20 +67,38 @@ def _source_files() -> list[pathlib.Path]:
     return sorted([*CSRC.glob("emu/*"), *CSRC.glob("kernels/*.cuh"), *CSRC.glob("kernels/*.h")])
 
 
-def build_library() -> pathlib.Path:
+# clang's SanitizerCoverage load/store tracing: `edge` is needed for the tracing to instrument
+# anything; the callbacks are ours (emu_ops.cpp), so no sanitizer runtime is linked.
+INSTRUMENT_FLAGS = ["-DDARTREE_EMU_INSTRUMENTED", "-fsanitize-coverage=edge,trace-loads,trace-stores",
+                    "-fno-sanitize-link-runtime"]
+
+
+def instrumenting_compiler() -> str | None:
+    """The clang++ the instrumented build needs (``$DARTREE_EMU_CLANG`` or on PATH), or None."""
+    return os.environ.get("DARTREE_EMU_CLANG") or shutil.which("clang++")
+
+
+def build_library(instrumented: bool = False) -> pathlib.Path:
     digest = hashlib.sha256()
     for path in _source_files():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    target = BUILD_DIR / f"dartree_emu_{digest.hexdigest()[:16]}.so"
+    flavour = "dartree_emu_instrumented" if instrumented else "dartree_emu"
+    target = BUILD_DIR / f"{flavour}_{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     BUILD_DIR.mkdir(exist_ok=True)
-    compiler = os.environ.get("CXX") or shutil.which("g++") or "c++"
+    if instrumented:
+        compiler = instrumenting_compiler()
+        if compiler is None:
+            raise RuntimeError("the instrumented emulator needs clang++ (apt-get install clang), "
+                               "or DARTREE_EMU_CLANG=<path>")
+    else:
+        compiler = os.environ.get("CXX") or shutil.which("g++") or "c++"
     with tempfile.NamedTemporaryFile(dir=BUILD_DIR, suffix=".so", delete=False) as tmp:
         partial = pathlib.Path(tmp.name)
     cmd = [compiler, "-O2", "-g", "-std=c++20", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-           "-o", str(partial), str(CSRC / "emu" / "emu_ops.cpp")]
+           *(INSTRUMENT_FLAGS if instrumented else []), "-o", str(partial), str(CSRC / "emu" / "emu_ops.cpp")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
@@ -79,15 +107,34 @@ def build_library() -> pathlib.Path:
     return target
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
 def _words(n: int) -> int:
     return (n + 63) // 64
 
 
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [begin, end) a tensor's elements occupy (strided views included)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 FORWARD, REVERSE, SHUFFLED = 0, 1, 2
+
+
+@dataclasses.dataclass
+class GlobalTraffic:
+    """Global-memory traffic of the emulated launches in a ``counting()`` block: bytes the kernels'
+    loads and stores moved (every access counted, no cache model) and launches, in total and per
+    kernel name (``{name: (launches, read_bytes, write_bytes)}``)."""
+    read_bytes: int = 0
+    write_bytes: int = 0
+    launches: int = 0
+    per_kernel: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
 
 
 class EmulatedOps:
@@ -95,16 +142,27 @@ class EmulatedOps:
 
     Threads run in a shuffled order (seeded, re-drawn between barriers) unless ``set_schedule``
     says otherwise: any order is a legal CUDA schedule, and a shuffled one exposes races that a
-    fixed order can hide.
+    fixed order can hide. ``instrumented`` (default: ``$DARTREE_EMU_INSTRUMENT == "1"``) loads the
+    clang-instrumented build: global accesses outside the tensors an op passes are errors, and
+    ``counting()`` measures global-memory bytes.
     """
 
-    def __init__(self, schedule: int = SHUFFLED, seed: int = 0) -> None:
-        self.lib = ctypes.CDLL(str(build_library()))
+    def __init__(self, schedule: int = SHUFFLED, seed: int = 0, instrumented: bool | None = None) -> None:
+        if instrumented is None:
+            instrumented = os.environ.get("DARTREE_EMU_INSTRUMENT") == "1"
+        self.instrumented = instrumented
+        self._ranges: list[tuple[int, int]] = []  # the tensors of the op being prepared
+        self.lib = ctypes.CDLL(str(build_library(instrumented)))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
         self.lib.emu_last_error.restype = ctypes.c_char_p
+        self.lib.emu_kernel_traffic.restype = ctypes.c_char_p
+        self.lib.emu_reset_kernel_traffic.restype = None
+        self.lib.emu_instrumented.restype = ctypes.c_int
+        if bool(self.lib.emu_instrumented()) != instrumented:
+            raise RuntimeError("the emulation library's build does not match `instrumented`")
         self.lib.emu_struct_sizes.restype = ctypes.c_size_t
         self.lib.emu_struct_sizes.argtypes = [_I]
         for which, mirror in enumerate((HeadWeightPtrs, ExpandInputs, ExpandOutputs, SupertreeArgs)):
@@ -115,15 +173,70 @@ class EmulatedOps:
     def set_schedule(self, schedule: int, seed: int = 0) -> None:
         self.call("emu_set_schedule", schedule, seed)
 
-    def call(self, name: str, *args) -> None:
-        if getattr(self.lib, name)(*args) != 0:
+    def _ptr(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """``t``'s data pointer, its bytes registered as global memory the next ``call`` may touch."""
+        return ctypes.c_void_p(self._addr(t))
+
+    def _addr(self, t: torch.Tensor) -> int:
+        self._ranges.append(byte_range(t))
+        return t.data_ptr()
+
+    def call(self, name: str, *args, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Runs entry point ``name``. The instrumented build checks every global access against
+        ``ranges`` (byte ranges [begin, end)) plus the tensors registered through ``_ptr``/``_addr``
+        since the last call; with neither, nothing is checked (the raw self-tests' calls)."""
+        pending, self._ranges = self._ranges + list(ranges or []), []
+        checked = self.instrumented and bool(pending)
+        if checked:
+            pairs = (ctypes.c_uint64 * (2 * len(pending)))(*[a for r in pending for a in r])
+            self._check(self.lib.emu_set_global_ranges(ctypes.cast(pairs, _P), len(pending)))
+        try:
+            self._check(getattr(self.lib, name)(*args))
+        finally:
+            if checked:
+                self._check(self.lib.emu_set_global_ranges(None, -1))
+
+    def _check(self, status: int) -> None:
+        if status != 0:
             raise RuntimeError(self.lib.emu_last_error().decode())
+
+    def kernel_traffic(self) -> dict[str, tuple[int, int, int]]:
+        """Every emulated launch so far: ``{kernel: (launches, read_bytes, write_bytes)}``."""
+        traffic = {}
+        for line in self.lib.emu_kernel_traffic().decode().splitlines():
+            name, *counts = line.rsplit(" ", 3)
+            traffic[name] = tuple(int(c) for c in counts)
+        return traffic
+
+    def reset_kernel_traffic(self) -> None:
+        self.lib.emu_reset_kernel_traffic()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[GlobalTraffic]:
+        """Counts the launches and global-memory bytes of the emulated kernels run inside the block;
+        the yielded ``GlobalTraffic`` is filled when the block ends. Bytes need the instrumented build."""
+        if not self.instrumented:
+            raise RuntimeError("counting global-memory bytes needs EmulatedOps(instrumented=True) (clang++)")
+        before = self.kernel_traffic()
+        traffic = GlobalTraffic()
+        try:
+            yield traffic
+        finally:
+            for name, counts in self.kernel_traffic().items():
+                old = before.get(name, (0, 0, 0))
+                delta = tuple(c - o for c, o in zip(counts, old))
+                if delta[0] > 0:
+                    traffic.per_kernel[name] = delta
+                    traffic.launches += delta[0]
+                    traffic.read_bytes += delta[1]
+                    traffic.write_bytes += delta[2]
 
     def tree_ancestor_bits(self, parents, num_nodes, *, validate=False):
         batch, n_max = parents.shape
         bits = torch.empty(batch, n_max, _words(n_max), dtype=torch.int64)
         depths = torch.empty(batch, n_max, dtype=torch.int32)
-        self.call("emu_tree_ancestor_bits", _ptr(parents), _ptr(num_nodes), batch, n_max, _ptr(bits), _ptr(depths))
+        self.call("emu_tree_ancestor_bits", self._ptr(parents), self._ptr(num_nodes), batch, n_max,
+                  self._ptr(bits), self._ptr(depths))
         return bits, depths
 
     def tree_attention_mask(self, parents, num_nodes, past_key_mask, dtype=torch.float32, *, validate=False):
@@ -133,21 +246,21 @@ class EmulatedOps:
         lowest = torch.tensor([torch.finfo(dtype).min], dtype=dtype)
         width = lowest.element_size()
         hidden = int.from_bytes(lowest.view(torch.uint8).numpy().tobytes(), "little")
-        self.call("emu_tree_attention_mask", _ptr(parents), _ptr(num_nodes), _ptr(past_key_mask), batch, n_max, past,
-                  width, hidden, _ptr(out))
+        self.call("emu_tree_attention_mask", self._ptr(parents), self._ptr(num_nodes), self._ptr(past_key_mask),
+                  batch, n_max, past, width, hidden, self._ptr(out))
         return out
 
     def tree_links(self, parents, num_nodes, *, validate=False):
         next_token = torch.empty_like(parents)
         next_sibling = torch.empty_like(parents)
-        self.call("emu_tree_links", _ptr(parents), _ptr(num_nodes), *parents.shape, _ptr(next_token),
-                  _ptr(next_sibling))
+        self.call("emu_tree_links", self._ptr(parents), self._ptr(num_nodes), *parents.shape, self._ptr(next_token),
+                  self._ptr(next_sibling))
         return next_token, next_sibling
 
     def packed_tree_mask(self, bits, seq_lens, mask_indptr, total_bytes):
         out = torch.zeros(total_bytes, dtype=torch.uint8)
-        self.call("emu_packed_tree_mask", _ptr(bits), _ptr(seq_lens), _ptr(mask_indptr), bits.shape[0], bits.shape[1],
-                  total_bytes, _ptr(out))
+        self.call("emu_packed_tree_mask", self._ptr(bits), self._ptr(seq_lens), self._ptr(mask_indptr),
+                  bits.shape[0], bits.shape[1], total_bytes, self._ptr(out))
         return out
 
     def verify_tree(self, tokens, parents, num_nodes, target_tokens, *, validate=False):
@@ -155,8 +268,9 @@ class EmulatedOps:
         accept_nodes = torch.empty_like(parents)
         accept_len = torch.empty(batch, dtype=torch.int32)
         bonus = torch.empty(batch, dtype=torch.int64)
-        self.call("emu_verify_tree", _ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(target_tokens), batch, n_max,
-                  _ptr(accept_nodes), _ptr(accept_len), _ptr(bonus))
+        self.call("emu_verify_tree", self._ptr(tokens), self._ptr(parents), self._ptr(num_nodes),
+                  self._ptr(target_tokens), batch, n_max, self._ptr(accept_nodes), self._ptr(accept_len),
+                  self._ptr(bonus))
         return accept_nodes, accept_len, bonus
 
     def select_top_w(self, parent_scores, child_logprobs, num_parents, width, *, validate=False):
@@ -164,8 +278,8 @@ class EmulatedOps:
         parent_idx = torch.empty(batch, width, dtype=torch.int32)
         child_k = torch.empty(batch, width, dtype=torch.int32)
         scores = torch.empty(batch, width, dtype=torch.float32)
-        self.call("emu_select_top_w", _ptr(parent_scores), _ptr(child_logprobs), _ptr(num_parents), batch, p_max, k,
-                  width, _ptr(parent_idx), _ptr(child_k), _ptr(scores))
+        self.call("emu_select_top_w", self._ptr(parent_scores), self._ptr(child_logprobs), self._ptr(num_parents),
+                  batch, p_max, k, width, self._ptr(parent_idx), self._ptr(child_k), self._ptr(scores))
         return parent_idx, child_k, scores
 
     def select_top_b(self, parents, scores, num_nodes, budget, *, validate=False):
@@ -173,8 +287,8 @@ class EmulatedOps:
         keep = torch.empty(batch, budget + 1, dtype=torch.int32)
         new_parents = torch.empty(batch, budget + 1, dtype=torch.int32)
         num_kept = torch.empty(batch, dtype=torch.int32)
-        self.call("emu_select_top_b", _ptr(parents), _ptr(scores), _ptr(num_nodes), batch, n_max, budget, _ptr(keep),
-                  _ptr(new_parents), _ptr(num_kept))
+        self.call("emu_select_top_b", self._ptr(parents), self._ptr(scores), self._ptr(num_nodes), batch, n_max,
+                  budget, self._ptr(keep), self._ptr(new_parents), self._ptr(num_kept))
         return keep, new_parents, num_kept
 
     def ddtree_heap(self, logprobs, token_ids, root_tokens, budget, *, validate=False):
@@ -184,8 +298,9 @@ class EmulatedOps:
         depths = torch.empty(batch, budget + 1, dtype=torch.int32)
         scores = torch.empty(batch, budget + 1, dtype=torch.float32)
         num_nodes = torch.empty(batch, dtype=torch.int32)
-        self.call("emu_ddtree_heap", _ptr(logprobs), _ptr(token_ids), _ptr(root_tokens), batch, depth_max, k, budget,
-                  _ptr(tokens), _ptr(parents), _ptr(depths), _ptr(scores), _ptr(num_nodes))
+        self.call("emu_ddtree_heap", self._ptr(logprobs), self._ptr(token_ids), self._ptr(root_tokens), batch,
+                  depth_max, k, budget, self._ptr(tokens), self._ptr(parents), self._ptr(depths),
+                  self._ptr(scores), self._ptr(num_nodes))
         return tokens, parents, depths, scores, num_nodes
 
     def compact_kv_(self, keys, values, src_positions, dst_start, lengths):
@@ -197,22 +312,22 @@ class EmulatedOps:
                                                     for r, c in zip(row_bytes, caches)))
         for first in range(0, len(caches), 64):  # kMaxKvLayerCaches per launch, as the CUDA op
             group = caches[first:first + 64]
-            bases = (ctypes.c_void_p * len(group))(*[c.data_ptr() for c in group])
+            bases = (ctypes.c_void_p * len(group))(*[self._addr(c) for c in group])
             units = torch.tensor([r // unit for r in row_bytes[first:first + 64]], dtype=torch.int64)
             heads = torch.tensor([c.shape[1] for c in group], dtype=torch.int32)
-            self.call("emu_compact_kv_layers", ctypes.cast(bases, ctypes.c_void_p), _ptr(units), _ptr(heads),
-                      len(group), unit, src_positions.shape[0], caches[0].shape[2], _ptr(src_positions),
-                      _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
+            self.call("emu_compact_kv_layers", ctypes.cast(bases, ctypes.c_void_p), self._ptr(units), self._ptr(heads),
+                      len(group), unit, src_positions.shape[0], caches[0].shape[2], self._ptr(src_positions),
+                      self._ptr(dst_start), self._ptr(lengths), src_positions.shape[1])
 
     def compact_kv_paged_(self, caches, block_table, src_positions, dst_start, lengths, *, validate=False):
         slots = caches[0].shape[0] * caches[0].shape[1]
         row_bytes = [c.numel() // max(1, slots) * c.element_size() for c in caches]
         unit = 4 if all(r % 4 == 0 for r in row_bytes) else 2 if all(r % 2 == 0 for r in row_bytes) else 1
-        bases = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+        bases = (ctypes.c_void_p * len(caches))(*[self._addr(c) for c in caches])
         units = torch.tensor([r // unit for r in row_bytes], dtype=torch.int64)
-        self.call("emu_compact_kv_paged", ctypes.cast(bases, ctypes.c_void_p), _ptr(units), len(caches), unit,
-                  block_table.shape[0], caches[0].shape[1], _ptr(block_table), block_table.shape[1],
-                  _ptr(src_positions), _ptr(dst_start), _ptr(lengths), src_positions.shape[1])
+        self.call("emu_compact_kv_paged", ctypes.cast(bases, ctypes.c_void_p), self._ptr(units), len(caches), unit,
+                  block_table.shape[0], caches[0].shape[1], self._ptr(block_table), block_table.shape[1],
+                  self._ptr(src_positions), self._ptr(dst_start), self._ptr(lengths), src_positions.shape[1])
 
     # vat area: the raw kernels (EmulatedVatKernels), composed by dartree_ext.vat like the real ops
     def vat_row_forward(self, draft, target, tokens, uniforms, temperature):
@@ -220,24 +335,25 @@ class EmulatedOps:
         stat = torch.float64 if draft.dtype == torch.float64 else torch.float32
         ce_soft, ce_hard, draft_lse, target_lse = (torch.empty(rows, dtype=stat) for _ in range(4))
         accept = torch.empty(rows, dtype=torch.float32)
-        self.call("emu_vat_row_forward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
-                  None if uniforms is None else _ptr(uniforms), rows, draft.shape[1], temperature, _ptr(ce_soft),
-                  _ptr(ce_hard), _ptr(draft_lse), _ptr(target_lse), _ptr(accept))
+        self.call("emu_vat_row_forward", _ELEM_TYPES[draft.dtype], self._ptr(draft), self._ptr(target),
+                  self._ptr(tokens), None if uniforms is None else self._ptr(uniforms), rows, draft.shape[1],
+                  temperature, self._ptr(ce_soft), self._ptr(ce_hard), self._ptr(draft_lse), self._ptr(target_lse),
+                  self._ptr(accept))
         return ce_soft, ce_hard, accept, draft_lse, target_lse
 
     def vat_row_backward(self, g_q, g_p, g_y, draft, target, tokens, draft_lse, target_lse):
         grad = torch.empty_like(draft)
-        self.call("emu_vat_row_backward", _ELEM_TYPES[draft.dtype], _ptr(draft), _ptr(target), _ptr(tokens),
-                  _ptr(draft_lse), _ptr(target_lse), _ptr(g_q), _ptr(g_p), _ptr(g_y), draft.shape[0], draft.shape[1],
-                  _ptr(grad))
+        self.call("emu_vat_row_backward", _ELEM_TYPES[draft.dtype], self._ptr(draft), self._ptr(target),
+                  self._ptr(tokens), self._ptr(draft_lse), self._ptr(target_lse), self._ptr(g_q), self._ptr(g_p),
+                  self._ptr(g_y), draft.shape[0], draft.shape[1], self._ptr(grad))
         return grad
 
     def vat_block_weights(self, accept, valid, schedule, decay_gamma):
         blocks, k = accept.shape
         first_reject = torch.empty(blocks, dtype=torch.int32)
         weights = torch.empty(blocks, k, dtype=torch.float32)
-        self.call("emu_vat_block_weights", _ptr(accept), _ptr(valid), blocks, k, schedule, decay_gamma,
-                  _ptr(first_reject), _ptr(weights))
+        self.call("emu_vat_block_weights", self._ptr(accept), self._ptr(valid), blocks, k, schedule, decay_gamma,
+                  self._ptr(first_reject), self._ptr(weights))
         return first_reject, weights
 
     def vat_loss(self, *args, **kwargs):
@@ -257,9 +373,9 @@ class EmulatedOps:
                                                             head.w_hh, head.b_hh)
         batch, k = cand_ids.shape
         p_max, g = parent_states.shape[1], w_s.shape[1]
-        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
-        inputs = ExpandInputs(z.data_ptr(), z.shape[1], cand_ids.data_ptr(), cand_base.data_ptr(), k,
-                              parent_states.data_ptr(), parent_scores.data_ptr(), p_max, num_parents.data_ptr(),
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh, self._addr)
+        inputs = ExpandInputs(self._addr(z), z.shape[1], self._addr(cand_ids), self._addr(cand_base), k,
+                              self._addr(parent_states), self._addr(parent_scores), p_max, self._addr(num_parents),
                               batch, p_max, k, width, depth_bonus)
         parent_idx = torch.empty(batch, width, dtype=torch.int32)
         child_k = torch.empty(batch, width, dtype=torch.int32)
@@ -268,9 +384,9 @@ class EmulatedOps:
         states = torch.empty(batch, width, g, dtype=torch.float32)
         num_children = torch.empty(batch, dtype=torch.int32)
         workspace = torch.empty(_expand_workspace_floats(batch, p_max, k, width, w_s.shape[0], g))
-        outputs = ExpandOutputs(parent_idx.data_ptr(), child_k.data_ptr(), scores.data_ptr(), tokens.data_ptr(), None,
-                                width, 0, 0, states.data_ptr(), num_children.data_ptr())
-        self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), _ptr(workspace),
+        outputs = ExpandOutputs(self._addr(parent_idx), self._addr(child_k), self._addr(scores), self._addr(tokens),
+                                None, width, 0, 0, self._addr(states), self._addr(num_children))
+        self.call("emu_expand_depth", ctypes.addressof(head), ctypes.addressof(inputs), self._ptr(workspace),
                   ctypes.addressof(outputs))
         return parent_idx, child_k, scores, tokens, states
 
@@ -281,7 +397,7 @@ class EmulatedOps:
         widths = depth_widths(width, depth, exact=True)
         g = w_s.shape[1]
         total, max_width = sum(widths), max(widths)
-        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh)
+        head = _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh, self._addr)
         width_array = (ctypes.c_int64 * depth)(*widths)
         states = [torch.empty(batch, max_width, g), torch.empty(batch, max_width, g)]
         states[0].view(-1)[: batch * g] = root_state.float().reshape(-1)  # dense [B, 1, G]
@@ -292,10 +408,11 @@ class EmulatedOps:
         parents = torch.empty(batch, total, dtype=torch.int32)
         depths = torch.empty(batch, total, dtype=torch.int32)
         scores = torch.empty(batch, total)
-        args = SupertreeArgs(z.data_ptr(), cand_ids.data_ptr(), cand_base.data_ptr(), width_array, batch, depth, k,
-                             depth_bonus, workspace.data_ptr(), (ctypes.c_void_p * 2)(*[s.data_ptr() for s in states]),
-                             root_scores.data_ptr(), (ctypes.c_void_p * 2)(*[c.data_ptr() for c in counts]),
-                             tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), scores.data_ptr())
+        args = SupertreeArgs(self._addr(z), self._addr(cand_ids), self._addr(cand_base), width_array, batch,
+                             depth, k, depth_bonus, self._addr(workspace),
+                             (ctypes.c_void_p * 2)(*[self._addr(s) for s in states]), self._addr(root_scores),
+                             (ctypes.c_void_p * 2)(*[self._addr(c) for c in counts]), self._addr(tokens),
+                             self._addr(parents), self._addr(depths), self._addr(scores))
         self.call("emu_build_supertree", ctypes.addressof(head), ctypes.addressof(args))
         return tokens, parents, depths, scores
 
@@ -353,9 +470,9 @@ def _expand_workspace_floats(batch, p_max, k, width, e, g) -> int:
     return batch * (p_max * k + p_max * e + width * g)
 
 
-def _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh) -> HeadWeightPtrs:
+def _head_weight_ptrs(w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh, addr) -> HeadWeightPtrs:
     def ptr(t):
-        return None if t is None else t.data_ptr()
-    return HeadWeightPtrs(_HEAD_ELEM_TYPES[w_s.dtype], w_s.data_ptr(), fc2_weight.data_ptr(), ptr(fc2_bias),
-                          gru_table.data_ptr(), w_hh.data_ptr(), ptr(b_hh), w_s.shape[0], w_s.shape[1],
+        return None if t is None else addr(t)
+    return HeadWeightPtrs(_HEAD_ELEM_TYPES[w_s.dtype], addr(w_s), addr(fc2_weight), ptr(fc2_bias),
+                          addr(gru_table), addr(w_hh), ptr(b_hh), w_s.shape[0], w_s.shape[1],
                           fc2_weight.shape[0])

@@ -1,5 +1,6 @@
 """The emulation layer proves itself: it computes right with the barriers a kernel needs, wrong
-without them, emulates warp primitives and atomics, and reports a deadlock instead of hanging."""
+without them, emulates warp primitives and atomics, and reports a deadlock instead of hanging; the
+instrumented build reports global out-of-bounds accesses and counts global-memory bytes exactly."""
 from __future__ import annotations
 
 import ctypes
@@ -7,8 +8,9 @@ import ctypes
 import pytest
 import torch
 
+import emulated
 from conftest import emulated_ops
-from emulated import FORWARD, REVERSE, SHUFFLED
+from emulated import FORWARD, REVERSE, SHUFFLED, EmulatedOps, byte_range, instrumenting_compiler
 
 
 def _ptr(t):
@@ -137,3 +139,101 @@ def test_block_order_is_shuffled_under_the_shuffled_schedule(emu):
     shuffled = order(SHUFFLED, 1)
     assert sorted(shuffled) == list(range(64)) and shuffled != list(range(64))
     assert order(SHUFFLED, 1) == shuffled and order(SHUFFLED, 2) != shuffled  # seeded
+
+
+# The instrumented build (clang++ load/store tracing): global-memory bounds and byte counts.
+needs_clang = pytest.mark.skipif(instrumenting_compiler() is None,
+                                 reason="the instrumented emulator needs clang++ (apt-get install clang)")
+
+
+@pytest.fixture(scope="module")
+def instrumented():
+    ops = EmulatedOps(schedule=FORWARD, instrumented=True)
+    yield ops
+
+
+@needs_clang
+def test_global_read_past_the_input_is_an_error(instrumented):
+    values, out = torch.arange(40, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    ranges = [byte_range(values), byte_range(out)]
+    instrumented.call("emu_copy_prefix", _ptr(values), 40, 0, _ptr(out), ranges=ranges)  # in bounds: runs
+    assert torch.equal(out[:40], values)
+    with pytest.raises(RuntimeError, match=r"global memory read out of bounds in copy_prefix_kernel, block \(1, 0, 0\), "
+                                           r"thread \(8, 0, 0\): 4 bytes at 0x[0-9a-f]+, byte 160 of the nearest "
+                                           r"registered range \[0x[0-9a-f]+, 0x[0-9a-f]+\) \(160 bytes\)"):
+        instrumented.call("emu_copy_prefix", _ptr(values), 40, 1, _ptr(out), ranges=ranges)
+
+
+@needs_clang
+def test_global_write_outside_the_registered_tensors_is_an_error(instrumented):
+    values, out = torch.arange(40, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="global memory write out of bounds in copy_prefix_kernel"):
+        instrumented.call("emu_copy_prefix", _ptr(values), 40, 0, _ptr(out), ranges=[byte_range(values)])
+
+
+@needs_clang
+def test_ops_register_their_tensors(instrumented, monkeypatch):
+    """An op checks its own tensors: with all of them registered it runs clean; with its int64
+    output left out, the kernel's first store to it is an error."""
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 0, 0]], dtype=torch.int32)
+    num_nodes = torch.tensor([6], dtype=torch.int32)
+    bits, depths = instrumented.tree_ancestor_bits(parents, num_nodes)
+    assert depths[0, :6].tolist() == [0, 1, 1, 2, 2, 2]
+    real = emulated.byte_range
+    monkeypatch.setattr(emulated, "byte_range",
+                        lambda t: (t.data_ptr(), t.data_ptr()) if t.dtype == torch.int64 else real(t))
+    with pytest.raises(RuntimeError, match="global memory write out of bounds in tree_ancestor_bits_kernel"):
+        instrumented.tree_ancestor_bits(parents, num_nodes)
+
+
+@needs_clang
+@pytest.mark.parametrize("count", [1, 40, 100])
+def test_global_bytes_of_a_copy_are_counted_exactly(instrumented, count):
+    """A thread per element reads 4 bytes and writes 4: nothing else is global memory (arguments,
+    stacks, shared memory and the runtime's bookkeeping are the emulator's)."""
+    values, out = torch.arange(count, dtype=torch.int32), torch.zeros(count, dtype=torch.int32)
+    with instrumented.counting() as traffic:
+        instrumented.call("emu_copy_prefix", _ptr(values), count, 0, _ptr(out),
+                          ranges=[byte_range(values), byte_range(out)])
+    assert (traffic.read_bytes, traffic.write_bytes, traffic.launches) == (4 * count, 4 * count, 1)
+    assert traffic.per_kernel == {"copy_prefix_kernel": (1, 4 * count, 4 * count)}
+    assert instrumented.kernel_traffic()["copy_prefix_kernel"][0] >= 1
+    instrumented.reset_kernel_traffic()
+    assert instrumented.kernel_traffic() == {}
+
+
+@needs_clang
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_global_bytes_of_compact_kv_are_counted_exactly(instrumented, dtype):
+    """compact_kv_ on [B, H, S, Dh] keys and values in one launch: a block per (request, head,
+    tensor) whose 256 threads each read the request's length (4 bytes) and destination (8); every
+    moved element (here the copy unit: rows of 5 elements are copied element by element) reads its
+    source position twice (8 + 8: before and after the barrier) and its value once, and writes it
+    once."""
+    batch, heads, seq, dim, l_max = 2, 3, 10, 5, 4
+    keys = torch.randn(batch, heads, seq, dim).to(dtype)
+    values = torch.randn(batch, heads, seq, dim).to(dtype)
+    src = torch.tensor([[4, 6, 7, 9], [5, 8, 0, 0]])
+    dst = torch.tensor([3, 4])
+    lengths = torch.tensor([4, 2], dtype=torch.int32)
+    expected_keys = keys.clone()
+    for b in range(batch):
+        for i in range(int(lengths[b])):
+            expected_keys[b, :, int(dst[b]) + i] = keys[b, :, int(src[b, i])]
+    with instrumented.counting() as traffic:
+        instrumented.compact_kv_(keys, values, src, dst, lengths)
+    assert torch.equal(keys, expected_keys)
+    moved = heads * int(lengths.sum()) * dim  # elements per cache
+    element = keys.element_size()
+    blocks = heads * batch
+    per_cache_reads = blocks * 256 * (4 + 8) + moved * (8 + 8 + element)
+    assert traffic.launches == 1
+    assert (traffic.read_bytes, traffic.write_bytes) == (2 * per_cache_reads, 2 * moved * element)
+
+
+def test_counting_needs_the_instrumented_build(emu):
+    if emu.instrumented:
+        pytest.skip("the tests' backend is the instrumented build here")
+    with pytest.raises(RuntimeError, match="instrumented"):
+        with emu.counting():
+            pass

@@ -1,9 +1,13 @@
 // Test-only shared library: the unchanged kernels of csrc/kernels/ run on the CPU through the
 // emulation runtime, behind a plain C ABI that python_tests/emulated.py calls with ctypes on
-// CPU tensors' data pointers. Built by the tests with g++ (no torch headers, a few seconds).
+// CPU tensors' data pointers. Built by the tests with g++ (no torch headers, a few seconds), or
+// with clang++ and -fsanitize-coverage=edge,trace-loads,trace-stores (DARTREE_EMU_INSTRUMENTED):
+// then every load and store of the kernels calls the callbacks below, which count global-memory
+// bytes and check them against the ranges the caller registered.
 #include "emu_runtime.h"
 
 #include <exception>
+#include <sstream>
 #include <string>
 
 #include "../kernels/expand.cuh"
@@ -13,9 +17,32 @@
 #include "../kernels/vat.cuh"
 #include "../kernels/verify.cuh"
 
+#ifdef DARTREE_EMU_INSTRUMENTED
+#define DARTREE_EMU_ACCESS_CALLBACK(name, bytes, write)                                              \
+  extern "C" __attribute__((no_sanitize("coverage"), visibility("hidden"))) void name(void* address) { \
+    ::dartree_emu::Runtime& rt = ::dartree_emu::runtime_instance;                                   \
+    if (!rt.memory.in_kernel) return;                                                                \
+    rt.memory.in_kernel = false;                                                                     \
+    ::dartree_emu::record_access(rt, address, (bytes), (write));                                    \
+    rt.memory.in_kernel = true;                                                                      \
+  }
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_load1, 1, false)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_load2, 2, false)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_load4, 4, false)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_load8, 8, false)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_load16, 16, false)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_store1, 1, true)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_store2, 2, true)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_store4, 4, true)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_store8, 8, true)
+DARTREE_EMU_ACCESS_CALLBACK(__sanitizer_cov_store16, 16, true)
+#undef DARTREE_EMU_ACCESS_CALLBACK
+#endif
+
 namespace {
 
 std::string last_error;
+std::string traffic_report;
 
 template <typename F>
 int guarded(F&& body) {
@@ -102,6 +129,13 @@ __global__ void block_order_kernel(int32_t* order, int32_t* count) {
   if (threadIdx.x == 0) order[atomicAdd(count, 1)] = static_cast<int32_t>(blockIdx.x);
 }
 
+// out[i] = values[i] for i < count + extra, a thread per element: with extra > 0 it reads past
+// the end of `values` (the instrumented build's bounds check must name it).
+__global__ void copy_prefix_kernel(const int32_t* values, int count, int extra, int32_t* out) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < count + extra) out[i] = values[i];
+}
+
 // Writes 1 per thread; for launches of any shape.
 __global__ void touch_kernel(int32_t* out) {
   DARTREE_DYNAMIC_SHARED(int32_t, s);
@@ -114,6 +148,47 @@ __global__ void touch_kernel(int32_t* out) {
 extern "C" {
 
 const char* emu_last_error() { return last_error.c_str(); }
+
+int emu_instrumented() {
+#ifdef DARTREE_EMU_INSTRUMENTED
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// The global-memory ranges (begin, end pairs) the next launches may touch; count < 0 stops checking.
+// Only the instrumented build checks.
+int emu_set_global_ranges(const uint64_t* pairs, int count) {
+  return guarded([&] {
+    dartree_emu::Runtime& rt = dartree_emu::runtime();
+    std::lock_guard<std::mutex> lock(rt.launch_mutex);
+    rt.memory.registered.clear();
+    rt.memory.checking = count >= 0;
+    for (int i = 0; i < count; ++i)
+      if (pairs[2 * i + 1] > pairs[2 * i]) rt.memory.registered.push_back({pairs[2 * i], pairs[2 * i + 1]});
+    std::sort(rt.memory.registered.begin(), rt.memory.registered.end(),
+              [](const dartree_emu::AddressRange& a, const dartree_emu::AddressRange& b) { return a.begin < b.begin; });
+  });
+}
+
+// Every launch so far, one line per kernel: "name launches read_bytes write_bytes" (bytes are
+// counted by the instrumented build only).
+const char* emu_kernel_traffic() {
+  dartree_emu::Runtime& rt = dartree_emu::runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  std::ostringstream out;
+  for (const auto& [name, traffic] : rt.memory.per_kernel)
+    out << name << ' ' << traffic.launches << ' ' << traffic.read_bytes << ' ' << traffic.write_bytes << '\n';
+  traffic_report = out.str();
+  return traffic_report.c_str();
+}
+
+void emu_reset_kernel_traffic() {
+  dartree_emu::Runtime& rt = dartree_emu::runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  rt.memory.per_kernel.clear();
+}
 
 // 0: forward thread order, 1: reverse, 2: shuffled at every sweep (seeded).
 int emu_set_schedule(int mode, uint64_t seed) {
@@ -149,6 +224,14 @@ int emu_shared_write(int where, int count, int offset, int32_t* out) {
   return guarded([&] {
     DARTREE_LAUNCH(shared_write_kernel, dim3(2), dim3(32), sizeof(int32_t) * static_cast<size_t>(count), nullptr,
                    where, offset, out);
+  });
+}
+
+int emu_copy_prefix(const int32_t* values, int count, int extra, int32_t* out) {
+  return guarded([&] {
+    const int n = count + extra;
+    DARTREE_LAUNCH(copy_prefix_kernel, dim3(static_cast<unsigned>((n + 31) / 32)), dim3(32), 0, nullptr, values,
+                   count, extra, out);
   });
 }
 

@@ -13,17 +13,26 @@
 // masks, and launches past the real limits (block and grid dimensions, 48 KiB of shared memory
 // without the opt-in no kernel here uses).
 //
+// Built with clang's load/store tracing (DARTREE_EMU_INSTRUMENTED, python_tests/emulated.py), every
+// load and store of kernel code reports its address: accesses outside the emulator's own memory
+// (fiber stacks, shared memory, the runtime's bookkeeping, the host stack, the library image) are
+// global memory, counted per kernel and, when the caller registered its tensors' byte ranges,
+// checked against them (GlobalMemory below; the callbacks are in emu_ops.cpp).
+//
 // Include this header before csrc/kernels/common.cuh. Launches from one OS thread at a time.
 #pragma once
 
 #define DARTREE_EMULATION 1
 
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
 #include <ucontext.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <algorithm>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,28 +87,84 @@ struct Fiber {
   unsigned warp_mask = 0;  // the mask of the warp collective this thread waits at
 };
 
+// What the instrumented build's callbacks call per access: inlined into them, so not itself traced.
+#define DARTREE_EMU_HOT inline __attribute__((always_inline))
+
+struct AddressRange {
+  uintptr_t begin = 0, end = 0;
+  DARTREE_EMU_HOT bool holds(uintptr_t address, size_t bytes) const {
+    return address >= begin && address + bytes <= end;
+  }
+};
+
+template <typename T>
+DARTREE_EMU_HOT AddressRange range_of(const std::vector<T>& v) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(v.data());
+  return {begin, begin + v.capacity() * sizeof(T)};
+}
+
+struct KernelTraffic {
+  uint64_t launches = 0, read_bytes = 0, write_bytes = 0;
+};
+
+struct OutOfBoundsAccess {
+  bool found = false;
+  bool write = false;
+  uintptr_t address = 0;
+  size_t bytes = 0;
+  dim3 block, thread;
+};
+
+// Global-memory accounting. Launches are counted in every build; bytes and bounds only in the
+// instrumented one, whose callbacks see kernel code's loads and stores while `in_kernel` is set
+// (host code of the launchers and the scheduler is not the kernel's traffic).
+// An out-of-bounds access that lands in emulator-owned memory (another heap block of the
+// runtime's) is not seen: the check is as good as the distance between tensors and that memory.
+struct GlobalMemory {
+  bool in_kernel = false;
+  KernelTraffic launch;                             // the current launch
+  std::map<std::string, KernelTraffic> per_kernel;  // every launch so far, by kernel name
+  std::vector<AddressRange> registered;             // sorted by begin; checked when `checking`
+  bool checking = false;
+  OutOfBoundsAccess out_of_bounds;                  // the first one of the launch
+  AddressRange host_stack;                          // of the launching OS thread
+  pthread_t host_thread{};
+  bool host_stack_known = false;
+  std::vector<AddressRange> image;                  // the library's loaded segments
+};
+
+struct StaticShared {
+  const void* key;
+  std::vector<unsigned char> bytes;  // guards included
+};
+
 struct Runtime {
   std::mutex launch_mutex;
   dim3 grid, block, block_idx;
   std::vector<Fiber> fibers;
-  std::vector<std::unique_ptr<char[]>> stacks;
+  std::unique_ptr<char[]> stack_arena;  // kFiberStackBytes per thread, one allocation
+  size_t stack_arena_threads = 0;
   ucontext_t scheduler;
   Fiber* current = nullptr;
-  const std::function<void()>* body = nullptr;
+  void (*body)(const void*) = nullptr;  // runs the launch's closure, which lives on the host stack
+  const void* body_closure = nullptr;
+  const char* kernel_name = "";
   std::vector<unsigned char> dynamic_shared;
-  std::map<const void*, std::vector<unsigned char>> static_shared;
+  std::vector<StaticShared> static_shared;
   std::vector<uint64_t> exchange;  // one slot per thread, for warp collectives
   size_t static_shared_bytes = 0;
   std::string error;
   Schedule schedule = Schedule::kForward;
   std::mt19937_64 rng{0};
   std::vector<unsigned> order;
+  GlobalMemory memory;
 };
 
-inline Runtime& runtime() {
-  static Runtime instance;
-  return instance;
-}
+// A namespace-scope object, not a function-local static: its accesses from kernel code need no
+// initialization guard (a load the instrumented build would have to classify).
+inline Runtime runtime_instance;
+
+DARTREE_EMU_HOT Runtime& runtime() { return runtime_instance; }
 
 inline Fiber& self() { return *runtime().current; }
 
@@ -121,7 +186,7 @@ inline void warp_barrier(unsigned mask = 0xffffffffu) {
 
 inline void fiber_entry() {
   Runtime& rt = runtime();
-  (*rt.body)();
+  rt.body(rt.body_closure);
   rt.current->state = FiberState::kDone;
   // returning resumes uc_link, the scheduler
 }
@@ -187,8 +252,115 @@ inline bool release_barriers(Runtime& rt) {
 // The shared-memory buffers of the current launch, guards included.
 inline std::vector<std::vector<unsigned char>*> shared_regions(Runtime& rt) {
   std::vector<std::vector<unsigned char>*> regions{&rt.dynamic_shared};
-  for (auto& kv : rt.static_shared) regions.push_back(&kv.second);
+  for (auto& array : rt.static_shared) regions.push_back(&array.bytes);
   return regions;
+}
+
+// Whether [address, address + bytes) is the emulator's own memory rather than global memory:
+// fiber stacks, shared memory with its guards, the runtime and its vectors, the launching
+// thread's stack (the launch closure, the launchers' locals) and the library's image.
+DARTREE_EMU_HOT bool emulator_owned(const Runtime& rt, uintptr_t address, size_t bytes) {
+  const uintptr_t arena = reinterpret_cast<uintptr_t>(rt.stack_arena.get());
+  if (address >= arena && address + bytes <= arena + rt.stack_arena_threads * kFiberStackBytes) return true;
+  if (range_of(rt.dynamic_shared).holds(address, bytes)) return true;
+  for (const StaticShared& array : rt.static_shared)
+    if (range_of(array.bytes).holds(address, bytes)) return true;
+  const uintptr_t self_begin = reinterpret_cast<uintptr_t>(&rt);
+  if (address >= self_begin && address + bytes <= self_begin + sizeof(Runtime)) return true;
+  if (range_of(rt.static_shared).holds(address, bytes) || range_of(rt.fibers).holds(address, bytes) ||
+      range_of(rt.exchange).holds(address, bytes) || range_of(rt.order).holds(address, bytes))
+    return true;
+  if (rt.memory.host_stack.holds(address, bytes)) return true;
+  for (const AddressRange& segment : rt.memory.image)
+    if (segment.holds(address, bytes)) return true;
+  return false;
+}
+
+// The registered range holding the access, or null (ranges sorted by begin).
+DARTREE_EMU_HOT const AddressRange* registered_range(const GlobalMemory& memory, uintptr_t address, size_t bytes) {
+  auto after = std::upper_bound(memory.registered.begin(), memory.registered.end(), address,
+                                [](uintptr_t a, const AddressRange& r) { return a < r.begin; });
+  if (after == memory.registered.begin()) return nullptr;
+  const AddressRange& candidate = *(after - 1);
+  return candidate.holds(address, bytes) ? &candidate : nullptr;
+}
+
+// One access of kernel code, from the instrumented build's callbacks (which clear `in_kernel`
+// around it, so anything here that is itself instrumented does not recurse).
+DARTREE_EMU_HOT void record_access(Runtime& rt, const void* pointer, size_t bytes, bool write) {
+  GlobalMemory& memory = rt.memory;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+  if (emulator_owned(rt, address, bytes)) return;
+  (write ? memory.launch.write_bytes : memory.launch.read_bytes) += bytes;
+  if (memory.checking && !memory.out_of_bounds.found && !registered_range(memory, address, bytes))
+    memory.out_of_bounds = {true, write, address, bytes, rt.block_idx, rt.current ? rt.current->thread_idx : dim3()};
+}
+
+inline std::string hex_address(uintptr_t address) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(address));
+  return text;
+}
+
+// The error for the launch's first out-of-bounds access, naming the registered range nearest to it.
+inline std::string out_of_bounds_message(const Runtime& rt) {
+  const OutOfBoundsAccess& oob = rt.memory.out_of_bounds;
+  std::string message = std::string("global memory ") + (oob.write ? "write" : "read") + " out of bounds in " +
+                        rt.kernel_name + ", block (" + std::to_string(oob.block.x) + ", " +
+                        std::to_string(oob.block.y) + ", " + std::to_string(oob.block.z) + "), thread (" +
+                        std::to_string(oob.thread.x) + ", " + std::to_string(oob.thread.y) + ", " +
+                        std::to_string(oob.thread.z) + "): " + std::to_string(oob.bytes) + " bytes at " +
+                        hex_address(oob.address);
+  const AddressRange* nearest = nullptr;
+  uintptr_t best = UINTPTR_MAX;
+  for (const AddressRange& r : rt.memory.registered) {
+    const uintptr_t distance = oob.address < r.begin ? r.begin - oob.address
+                               : oob.address >= r.end ? oob.address - r.end : 0;
+    if (distance < best) best = distance, nearest = &r;
+  }
+  if (!nearest) return message + ", and no range is registered";
+  const size_t size = nearest->end - nearest->begin;
+  const std::string where = oob.address < nearest->begin
+                                ? std::to_string(nearest->begin - oob.address) + " bytes before the start of"
+                                : "byte " + std::to_string(oob.address - nearest->begin) + " of";
+  return message + ", " + where + " the nearest registered range [" + hex_address(nearest->begin) + ", " +
+         hex_address(nearest->end) + ") (" + std::to_string(size) + " bytes)";
+}
+
+// The launching thread's stack and the library's segments: emulator-owned for the classification.
+inline void locate_host_memory(GlobalMemory& memory) {
+  const pthread_t me = pthread_self();
+  if (!memory.host_stack_known || !pthread_equal(me, memory.host_thread)) {
+    pthread_attr_t attr;
+    void* base = nullptr;
+    size_t size = 0;
+    if (pthread_getattr_np(me, &attr) == 0) {
+      pthread_attr_getstack(&attr, &base, &size);
+      pthread_attr_destroy(&attr);
+    }
+    memory.host_stack = {reinterpret_cast<uintptr_t>(base), reinterpret_cast<uintptr_t>(base) + size};
+    memory.host_thread = me;
+    memory.host_stack_known = true;
+  }
+  if (!memory.image.empty()) return;
+  Dl_info info;
+  if (dladdr(reinterpret_cast<const void*>(&runtime_instance), &info) == 0) return;
+  struct Search {
+    uintptr_t base;
+    std::vector<AddressRange>* out;
+  } search{reinterpret_cast<uintptr_t>(info.dli_fbase), &memory.image};
+  dl_iterate_phdr(
+      [](dl_phdr_info* object, size_t, void* data) -> int {
+        auto* s = static_cast<Search*>(data);
+        if (object->dlpi_addr != s->base) return 0;
+        for (int i = 0; i < object->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& h = object->dlpi_phdr[i];
+          if (h.p_type == PT_LOAD)
+            s->out->push_back({object->dlpi_addr + h.p_vaddr, object->dlpi_addr + h.p_vaddr + h.p_memsz});
+        }
+        return 1;
+      },
+      &search);
 }
 
 inline void check_shared_guards(Runtime& rt) {
@@ -213,7 +385,10 @@ inline void check_shared_guards(Runtime& rt) {
 inline void run_block(Runtime& rt) {
   const unsigned nthreads = rt.block.x * rt.block.y * rt.block.z;
   rt.fibers.assign(nthreads, Fiber{});
-  while (rt.stacks.size() < nthreads) rt.stacks.emplace_back(new char[kFiberStackBytes]);
+  if (rt.stack_arena_threads < nthreads) {
+    rt.stack_arena.reset(new char[nthreads * kFiberStackBytes]);
+    rt.stack_arena_threads = nthreads;
+  }
   rt.exchange.assign(nthreads, 0);
   for (auto* region : shared_regions(rt)) {
     std::memset(region->data(), kSharedCanary, region->size());
@@ -224,7 +399,7 @@ inline void run_block(Runtime& rt) {
     f.linear = t;
     f.thread_idx = dim3(t % rt.block.x, (t / rt.block.x) % rt.block.y, t / (rt.block.x * rt.block.y));
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = rt.stacks[t].get();
+    f.context.uc_stack.ss_sp = rt.stack_arena.get() + t * kFiberStackBytes;
     f.context.uc_stack.ss_size = kFiberStackBytes;
     f.context.uc_link = &rt.scheduler;
     makecontext(&f.context, fiber_entry, 0);
@@ -239,7 +414,9 @@ inline void run_block(Runtime& rt) {
       Fiber& f = rt.fibers[t];
       if (f.state != FiberState::kReady) continue;
       rt.current = &f;
+      rt.memory.in_kernel = true;
       swapcontext(&rt.scheduler, &f.context);
+      rt.memory.in_kernel = false;
       ran = true;
     }
     bool all_done = true;
@@ -258,7 +435,10 @@ inline void run_block(Runtime& rt) {
   }
 }
 
-inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std::function<void()>& body) {
+// Runs `closure(closure_data)` as every thread of every block. `kernel_name` names the launch in
+// the traffic counters and errors.
+inline void launch_closure(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const char* kernel_name,
+                           void (*closure)(const void*), const void* closure_data) {
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.launch_mutex);
   const unsigned long long nthreads = 1ull * block.x * block.y * block.z;
@@ -279,7 +459,14 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
                                 " bytes of dynamic shared memory exceed the 49152 a block gets without opting in");
   rt.grid = grid;
   rt.block = block;
-  rt.body = &body;
+  rt.body = closure;
+  rt.body_closure = closure_data;
+  rt.kernel_name = kernel_name;
+#ifdef DARTREE_EMU_INSTRUMENTED
+  locate_host_memory(rt.memory);
+#endif
+  rt.memory.launch = KernelTraffic{1, 0, 0};
+  rt.memory.out_of_bounds = OutOfBoundsAccess{};
   rt.dynamic_shared.assign(dynamic_shared_bytes + 2 * kSharedGuardBytes, kSharedPoison);
   rt.static_shared.clear();
   rt.static_shared_bytes = 0;
@@ -299,7 +486,21 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const std
   }
   rt.current = nullptr;
   rt.body = nullptr;
+  rt.body_closure = nullptr;
+  KernelTraffic& total = rt.memory.per_kernel[kernel_name];
+  total.launches += rt.memory.launch.launches;
+  total.read_bytes += rt.memory.launch.read_bytes;
+  total.write_bytes += rt.memory.launch.write_bytes;
+  if (rt.error.empty() && rt.memory.out_of_bounds.found) rt.error = out_of_bounds_message(rt);
   if (!rt.error.empty()) throw std::runtime_error("emulated kernel failed: " + rt.error);
+}
+
+// The launch's closure stays on the host stack (no std::function heap copy), so the kernel's
+// reads of its arguments are the emulator's, not global memory.
+template <typename Closure>
+void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const char* kernel_name, const Closure& body) {
+  launch_closure(grid, block, dynamic_shared_bytes, kernel_name,
+                 [](const void* data) { (*static_cast<const Closure*>(data))(); }, &body);
 }
 
 inline void set_schedule(Schedule schedule, uint64_t seed) {
@@ -313,17 +514,22 @@ inline void set_schedule(Schedule schedule, uint64_t seed) {
 template <typename T>
 T* static_shared_array(const void* key, size_t count) {
   Runtime& rt = runtime();
-  auto it = rt.static_shared.find(key);
+  auto it = std::find_if(rt.static_shared.begin(), rt.static_shared.end(),
+                         [key](const StaticShared& array) { return array.key == key; });
   if (it == rt.static_shared.end()) {
+    // the runtime's own allocation, not the kernel's traffic (the vectors are not owned ranges yet)
+    rt.memory.in_kernel = false;
     rt.static_shared_bytes += sizeof(T) * count;
     if (rt.static_shared_bytes + rt.dynamic_shared.size() - 2 * kSharedGuardBytes > kMaxSharedBytes)
       throw std::runtime_error("emulated kernel: shared memory exceeds the device limit");
     std::vector<unsigned char> bytes(sizeof(T) * count + 2 * kSharedGuardBytes, kSharedPoison);
     std::memset(bytes.data(), kSharedCanary, kSharedGuardBytes);
     std::memset(bytes.data() + bytes.size() - kSharedGuardBytes, kSharedCanary, kSharedGuardBytes);
-    it = rt.static_shared.emplace(key, std::move(bytes)).first;
+    rt.static_shared.push_back(StaticShared{key, std::move(bytes)});
+    it = rt.static_shared.end() - 1;
+    rt.memory.in_kernel = true;
   }
-  return reinterpret_cast<T*>(it->second.data() + kSharedGuardBytes);
+  return reinterpret_cast<T*>(it->bytes.data() + kSharedGuardBytes);
 }
 
 // Warp exchange: every live lane publishes a value, waits for the warp, reads, waits again so the
@@ -445,5 +651,9 @@ template <typename T> T atomicCAS(T* a, T compare, T v) { T old = *a; if (old ==
   T* name = ::dartree_emu::static_shared_array<T>(&name##_shared_key_, (count))
 #define DARTREE_DYNAMIC_SHARED(T, name) \
   T* name = reinterpret_cast<T*>(::dartree_emu::runtime().dynamic_shared.data() + ::dartree_emu::kSharedGuardBytes)
-#define DARTREE_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
-  ((void)(stream), ::dartree_emu::launch((grid), (block), (shared_bytes), [=]() { kernel(__VA_ARGS__); }))
+// The kernel's name for counters and errors: the macro argument, or the launcher's name where that
+// is a function-pointer alias called `kernel`.
+#define DARTREE_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)                                     \
+  ((void)(stream), ::dartree_emu::launch((grid), (block), (shared_bytes),                                  \
+                                         std::strcmp(#kernel, "kernel") == 0 ? __func__ : #kernel, \
+                                         [=]() { kernel(__VA_ARGS__); }))
