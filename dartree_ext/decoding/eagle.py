@@ -45,7 +45,10 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
     (the slot of the last committed token, -1 when a row has none)."""
     rows, device, h = root.shape[0], root.device, drafter.config.hidden_size
     has_ctx = last_slot >= 0
-    last = _gather_rows(context, last_slot.clamp(min=0)[:, None])[:, 0, :h]
+    if context.shape[1]:
+        last = _gather_rows(context, last_slot.clamp(min=0)[:, None])[:, 0, :h]
+    else:
+        last = context.new_zeros(rows, h)
     slot = torch.arange(context.shape[1], device=device)
     ctx_visible = past_valid & (slot[None] != last_slot[:, None])  # the root's own key comes fresh
     ctx_k, ctx_v = context_kv[:, :, 0].transpose(1, 2), context_kv[:, :, 1].transpose(1, 2)

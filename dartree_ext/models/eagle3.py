@@ -12,9 +12,10 @@ Indexing (training and decoding agree): *index* ``r`` of a sequence ``x`` embeds
 and carries hidden ``h[r]`` = the fused target features of ``x[r - 1]`` (zeros for ``r = 0``),
 at rotary position ``r - 1``; its output predicts ``x[r + 1]``. Step ``k > 1`` at index ``i``
 takes as hidden the step ``k - 1`` output at index ``i - 1`` and attends to the step-1 keys at
-indices ``<= i - k + 1`` and to the step-``m`` key at index ``i - k + m`` for ``m = 2..k`` (its
+indices ``1 .. i - k + 1`` and to the step-``m`` key at index ``i - k + m`` for ``m = 2..k`` (its
 own draft path): the training-time test, exactly what decoding computes from a root at index
-``i - k + 1``.
+``i - k + 1`` (a decoder's committed slot ``j`` is index ``j + 1``, so index 0, which has no
+features, is a key only for a root at index 0, i.e. a prompt of one token).
 """
 from __future__ import annotations
 
@@ -148,12 +149,13 @@ class Eagle3Layer(nn.Module):
 
 def ttt_masks(length: int, steps: int, device: torch.device) -> list[torch.Tensor]:
     """Per step ``k = 1..steps``, ``bool[T, k * T]``: which keys (step 1's ``T``, then step 2's, ...)
-    a step-``k`` query at index ``i`` sees: step-1 keys at ``<= i - k + 1``, the step-``m`` key at
-    ``i - k + m`` (``m = 2..k``)."""
+    a step-``k`` query at index ``i`` sees: step-1 keys at ``1 .. i - k + 1`` (index 0 only when
+    ``i - k + 1 = 0``), the step-``m`` key at ``i - k + m`` (``m = 2..k``)."""
     idx = torch.arange(length, device=device)
     masks = []
     for k in range(1, steps + 1):
-        parts = [idx[None, :] <= idx[:, None] - k + 1]
+        root = idx[:, None] - k + 1
+        parts = [(idx[None, :] <= root) & ((idx[None, :] >= 1) | (root == 0))]
         parts += [idx[None, :] == idx[:, None] - k + m for m in range(2, k + 1)]
         masks.append(torch.cat(parts, 1))
     return masks
