@@ -260,6 +260,72 @@ def test_training_learns_and_decodes(setup):
     assert taus["eagle3"] > 2.0, taus
 
 
+def test_block_hidden_reads_step_k_at_root_plus_k_minus_1():
+    from dartree_ext.training.eagle import block_hidden
+    s, t, k = 2, 9, 3
+    outs = [torch.stack([torch.full((t,), 100.0 * step + 1000.0 * row) + torch.arange(t) for row in range(s)])[..., None]
+            for step in range(1, k + 1)]
+    roots = torch.tensor([[0, 4], [2, 7]])
+    got = block_hidden(outs, roots)[..., 0]
+    assert got.tolist() == [[100, 201, 302], [104, 205, 306], [1102, 1203, 1304], [1107, 1208, 1308]]  # clamped at T-1
+
+
+def eagle3_trainer(out_dir, rank=0, world=1, loss="vat"):
+    from test_training import synthetic_records
+    target = tiny_target("llama", layers=4)
+    drafter = eagle3_drafter(target, seed=5).train()
+    cfg = TrainConfig(out_dir=str(out_dir), steps=4, batch_size=4, blocks_per_sequence=3, warmup_steps=2,
+                      progress=False, loss=loss, decay_gamma=EAGLE3_DECAY_GAMMA)
+    return Trainer(target, drafter, BlockSampler(synthetic_records(), STEPS + 1, 4, 3, seed=1), cfg, rank, world)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, loss: str) -> None:
+    import os
+    from test_training import _grads
+    from dartree_ext.training import setup_distributed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    setup_distributed()
+    grads = _grads(eagle3_trainer(out_dir, rank, world, loss))
+    if rank == 0:
+        torch.save(grads, os.path.join(out_dir, "ddp_grads.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # as in test_training: no static destructors after the work is done
+
+
+@pytest.mark.parametrize("loss", ["vat", "eagle3"])
+def test_ddp_gradients_equal_single_process(tmp_path, loss):
+    import torch.multiprocessing as mp
+    from test_training import _free_port, _grads
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), loss), nprocs=2, join=True)
+    ddp = torch.load(tmp_path / "ddp_grads.pt")
+    single = _grads(eagle3_trainer(tmp_path / "single", loss=loss))
+    assert set(ddp) == set(single) and len(single) > 10
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_train_cli(tmp_path):
+    import json
+    from dartree_ext.training.cli import main
+    out = tmp_path / "run"
+    args = ["--target", "tiny", "--out", str(out), "--num-prompts", "2", "--max-new-tokens", "10", "--batch-size", "2",
+            "--blocks-per-sequence", "2", "--warmup-steps", "1", "--checkpoint-every", "1", "--log-every", "1",
+            "--drafter", "eagle3", "--draft-steps", "3", "--loss", "vat"]
+    assert main(args + ["--steps", "2"]) == 0
+    assert main(args + ["--steps", "3"]) == 0                      # resumes
+    assert [json.loads(line)["step"] for line in open(out / "train_log.jsonl")] == [1, 2, 3]
+    state = torch.load(out / "checkpoint.pt")
+    assert state["config"]["decay_gamma"] == pytest.approx(EAGLE3_DECAY_GAMMA)  # the 0.8^(k-1) base schedule
+    from dartree_ext.loading import load_target
+    drafter = Eagle3Drafter.from_pretrained(out / "drafter", load_target("tiny").target)
+    assert drafter.config.num_steps == 3
+    with pytest.raises(SystemExit):
+        main(args[:-2] + ["--loss", "eagle3", "--drafter", "block"])
+
+
 # decoding ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle3_vh"])
@@ -273,12 +339,14 @@ def test_greedy_equals_generate(setup, method):
         assert all(n <= 16 for n in out.stats.tree_nodes)
 
 
-def test_draft_vocab_and_stop_token(setup):
+def test_draft_vocab_lookup_and_stop_token(setup):
     target, _, trained, prompts, refs = setup
     d = eagle3_drafter(target)
     d.load_state_dict(trained.state_dict())
     d.set_draft_vocab(sorted(set(torch.cat(refs).tolist()) | {0, 1}))
     check_greedy(SpeculativeDecoder(target, d, "eagle3", budget=16, width=4, K=8), prompts, refs)
+    out = check_greedy(SpeculativeDecoder(target, trained, "eagle3", budget=16, width=4, K=8, lookup=6), prompts, refs)
+    assert out.stats.lookup_rounds > 0  # the context-lookup branch grafts into an EAGLE-3 tree too
     stop = int(refs[1][7])
     first = refs[1].tolist().index(stop)
     out = SpeculativeDecoder(target, trained, "eagle3", budget=16, width=4, K=8).generate(
