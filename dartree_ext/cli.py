@@ -194,8 +194,9 @@ def generate_main(argv: list[str] | None = None) -> int:
         budget = 64
     eagle3 = args.method in EAGLE3_METHODS
     drafter_path = args.drafter or (None if eagle3 else shipped_drafter(loaded.name))
-    drafter = None if args.method in ("ar", "lookup") else load_drafter(drafter_path, target,
-                                                                         draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
+    drafter = None
+    if args.method not in ("ar", "lookup"):
+        drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
     texts = [args.prompt]
     if args.prompt_file:

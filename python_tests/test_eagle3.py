@@ -40,7 +40,8 @@ def setup():
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 11, 1)]
     refs = [greedy_reference(target, p, NEW) for p in prompts]
-    records = [{"id": str(i), "prompt": p.tolist(), "response": r.tolist()} for i, (p, r) in enumerate(zip(prompts, refs))]
+    records = [{"id": str(i), "prompt": p.tolist(), "response": r.tolist()}
+               for i, (p, r) in enumerate(zip(prompts, refs))]
     trained = eagle3_drafter(target, seed=0).train()
     cfg = TrainConfig(out_dir="unused", steps=60, batch_size=3, blocks_per_sequence=8, warmup_steps=5, lr=1e-2,
                       progress=False, loss="vat", decay_gamma=EAGLE3_DECAY_GAMMA)
@@ -52,16 +53,19 @@ def setup():
 
 # the training-time test -------------------------------------------------------------------------
 
-def ttt_reference(drafter: Eagle3Drafter, features: torch.Tensor, tokens: torch.Tensor, root: int) -> list[torch.Tensor]:
+def ttt_reference(drafter: Eagle3Drafter, features: torch.Tensor, tokens: torch.Tensor,
+                  root: int) -> list[torch.Tensor]:
     """The drafter run step by step from ``root`` as decoding runs it: the step-1 keys of the
-    committed slots (indices 1 .. root - 1; index 0 has no features), then one query per step on its own previous output, each attending to
-    those keys and to the keys of the path drafted so far. Per step, the output ``[H]``."""
+    committed slots (indices 1 .. root - 1; index 0 has no features), then one query per step on
+    its own previous output, each attending to those keys and to the keys of the path drafted so
+    far. Per step, the output ``[H]``."""
     h = drafter.config.hidden_size
     fused = drafter.fuse_features(features[None])[0]
     hidden_in = torch.cat([fused.new_zeros(1, h), fused[:-1]])       # index r carries x[r - 1]'s features
     emb = drafter.embed(tokens)
     first = min(1, root)
-    keys, values = drafter.layer.kv(hidden_in[None, first:root], emb[None, first:root], torch.arange(first - 1, root - 1)[None])
+    keys, values = drafter.layer.kv(hidden_in[None, first:root], emb[None, first:root],
+                                    torch.arange(first - 1, root - 1)[None])
     hidden, outs = hidden_in[root], []
     for k in range(1, drafter.config.num_steps + 1):
         i = root + k - 1
@@ -104,8 +108,9 @@ def test_decoding_drafts_what_the_training_time_test_trains():
         context = drafter.project_context(feats, prompt[None, 1:])
         slots = torch.arange(8)[None]
         kv = drafter.context_kv(context, slots)[0]
-        tree = draft_eagle3_tree(drafter, prompt[-1:], torch.tensor([8]), context, kv, torch.ones(1, 8, dtype=torch.bool),
-                                 torch.tensor([7]), steps=STEPS, width=1, children=1)
+        tree = draft_eagle3_tree(drafter, prompt[-1:], torch.tensor([8]), context, kv,
+                                 torch.ones(1, 8, dtype=torch.bool), torch.tensor([7]), steps=STEPS, width=1,
+                                 children=1)
         assert tree.num_nodes.item() == STEPS + 1 and tree.parents[0].tolist() == list(range(-1, STEPS))
         chain = tree.tokens[0, 1:]
         seq = torch.cat([prompt, chain[:-1]])
@@ -213,7 +218,8 @@ def test_objective_weights_per_block(setup, loss):
     """The objective's blocks: step k of a root r is the prediction of x[r + k]; weights are
     EAGLE-3's (eagle3) or re-anchored at each block's k* (vat), zero at invalid positions."""
     target, drafter, _, prompts, refs = setup
-    records = [{"id": str(i), "prompt": p.tolist(), "response": r.tolist()} for i, (p, r) in enumerate(zip(prompts, refs))]
+    records = [{"id": str(i), "prompt": p.tolist(), "response": r.tolist()}
+               for i, (p, r) in enumerate(zip(prompts, refs))]
     cfg = TrainConfig(out_dir="unused", batch_size=3, blocks_per_sequence=6, progress=False, loss=loss,
                       decay_gamma=EAGLE3_DECAY_GAMMA)
     trainer = Trainer(target, eagle3_drafter(target).train(), BlockSampler(records, STEPS + 1, 3, 6, seed=2), cfg)
@@ -263,8 +269,8 @@ def test_training_learns_and_decodes(setup):
 def test_block_hidden_reads_step_k_at_root_plus_k_minus_1():
     from dartree_ext.training.eagle import block_hidden
     s, t, k = 2, 9, 3
-    outs = [torch.stack([torch.full((t,), 100.0 * step + 1000.0 * row) + torch.arange(t) for row in range(s)])[..., None]
-            for step in range(1, k + 1)]
+    outs = [torch.stack([torch.full((t,), 100.0 * step + 1000.0 * row) + torch.arange(t)
+                         for row in range(s)])[..., None] for step in range(1, k + 1)]
     roots = torch.tensor([[0, 4], [2, 7]])
     got = block_hidden(outs, roots)[..., 0]
     assert got.tolist() == [[100, 201, 302], [104, 205, 306], [1102, 1203, 1304], [1107, 1208, 1308]]  # clamped at T-1

@@ -3,7 +3,8 @@
 ``generate`` prefills the prompts (``_prefill``), then runs rounds until every request is done.
 One round, for every unfinished request at once (each with its own tree and acceptance):
 
-* ``_draft``: the drafter pass from each row's last committed token (the root);
+* ``_draft``: the drafter pass from each row's last committed token (the root); for the
+  EAGLE-3 methods, the drafter's whole dynamic tree (:mod:`~dartree_ext.decoding.eagle`);
 * ``_tree``: the method's draft tree from it (the ops), cut to the chosen size with
   ``budget="auto"`` or at the verification head's predicted first rejection with ``early_exit``;
   with ``lookup``, each row's context-lookup continuation grafted in as one more branch;
@@ -376,7 +377,8 @@ class SpeculativeDecoder:
     default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there.
     """
 
-    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
+    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
+                 method: str = "dartree",
                  budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
@@ -428,14 +430,14 @@ class SpeculativeDecoder:
             drafter.attach(target)  # raises on a target mismatch
         self.early_exit, self.estimator = early_exit, estimator
         self._eagle3 = method in EAGLE3_METHODS
-        self._vh_used = method not in DRAFTERLESS + EAGLE3_METHODS and (early_exit is not None or (self.auto and estimator == "vh"))
+        self._vh_used = method not in DRAFTERLESS + EAGLE3_METHODS and (
+            early_exit is not None or (self.auto and estimator == "vh"))
         self.target, self.drafter, self.method = target, drafter, method
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         if self._eagle3 and not isinstance(width, int):
             raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
-        self.width_eagle3 = width if isinstance(width, int) else 0
         self.sync_timing = sync_timing
         self.cost_model = cost_model
         self._given_calibrator = calibrator
@@ -687,7 +689,7 @@ class SpeculativeDecoder:
         run.tick("prefill")
         return state
 
-    def _context_vectors(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def _context_vectors(self, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
         """The drafter's context vectors of committed slots from the target's features there (an
         EAGLE-3 drafter also reads the token after each slot: ``next_tokens``)."""
         if self._eagle3:
@@ -706,7 +708,7 @@ class SpeculativeDecoder:
                 if self._context_kv:
                     state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
             if self._eagle3:
-                draft = eagle3_draft(self.drafter, state, width=self.width_eagle3, children=min(self.K, self.width_eagle3),
+                draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
                                      early_exit=self.early_exit)
                 run.tick("draft")
                 return draft
@@ -862,10 +864,11 @@ class SpeculativeDecoder:
         if run.drafting:
             feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
             feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-            path = tree.tokens.gather(1, nodes)
-            nxt = torch.cat([path[:, 1:], verdict.bonus[:, None]], 1)
-            nxt = torch.where(torch.arange(width, device=device)[None] >= (lengths.long() - 1)[:, None],
-                              verdict.bonus[:, None], nxt)  # the token after each path slot (the bonus last)
+            nxt = None
+            if self._eagle3:  # the token after each path slot (the bonus after the last)
+                nxt = torch.cat([tree.tokens.gather(1, nodes)[:, 1:], verdict.bonus[:, None]], 1)
+                nxt = torch.where(torch.arange(width, device=device)[None] >= (lengths.long() - 1)[:, None],
+                                  verdict.bonus[:, None], nxt)
             state.append_context(self._context_vectors(feats, nxt), in_path, new_length, self.drafter)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
