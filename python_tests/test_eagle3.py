@@ -484,6 +484,9 @@ def test_bad_input(setup, tmp_path):
         SpeculativeDecoder(target, drafter, "eagle3", width=(4, 2))
     with pytest.raises(ValueError, match="budget='auto' supports"):
         SpeculativeDecoder(target, drafter, "eagle3", budget="auto")
+    from dartree_ext.decoding.cost import measure_cost_model
+    with pytest.raises(ValueError, match="fixed budget"):
+        measure_cost_model(target, drafter)
     cfg = TrainConfig(out_dir="unused", loss="dflash_typo", progress=False)
     sampler = BlockSampler([{"id": "a", "prompt": [1, 2], "response": [3, 4, 5]}], 5, 1, 1)
     with pytest.raises(ValueError, match="an EAGLE-3 drafter trains with loss"):
