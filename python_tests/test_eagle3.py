@@ -482,6 +482,8 @@ def test_bad_input(setup, tmp_path):
         SpeculativeDecoder(target, drafter, "eagle3", early_exit=0.5)
     with pytest.raises(ValueError, match="one width"):
         SpeculativeDecoder(target, drafter, "eagle3", width=(4, 2))
+    with pytest.raises(ValueError, match="drafts up to 3*"):
+        SpeculativeDecoder(target, drafter, "eagle3", width=64, K=64)
     with pytest.raises(ValueError, match="budget='auto' supports"):
         SpeculativeDecoder(target, drafter, "eagle3", budget="auto")
     from dartree_ext.decoding.cost import measure_cost_model

@@ -436,8 +436,15 @@ class SpeculativeDecoder:
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
-        if self._eagle3 and not isinstance(width, int):
-            raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
+        if self._eagle3:
+            if not isinstance(width, int):
+                raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
+            c = min(K, width)
+            drafted = 1 + c + (drafter.config.num_steps - 1) * width * c
+            if drafted > ops.MAX_TREE_NODES:
+                raise ValueError(f"method {method!r} with width={width}, K={K} and {drafter.config.num_steps} steps "
+                                 f"drafts up to {drafted} nodes a round; the tree ops take at most "
+                                 f"{ops.MAX_TREE_NODES}: lower width or K")
         self.sync_timing = sync_timing
         self.cost_model = cost_model
         self._given_calibrator = calibrator
