@@ -164,8 +164,9 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-def _check_drafter_kind(method: str, drafter, early_exit: float | None) -> None:
-    """The EAGLE-3 methods take an :class:`Eagle3Drafter`, the block methods anything else."""
+def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K: int) -> None:
+    """The EAGLE-3 methods take an :class:`Eagle3Drafter` (one width; at most
+    ``ops.MAX_TREE_NODES`` drafted nodes a round), the block methods anything else."""
     if method in DRAFTERLESS or drafter is None:
         return
     if method in EAGLE3_METHODS and not isinstance(drafter, Eagle3Drafter):
@@ -175,6 +176,14 @@ def _check_drafter_kind(method: str, drafter, early_exit: float | None) -> None:
                          f"{' or '.join(EAGLE3_METHODS)}")
     if method == "eagle3" and early_exit is not None:
         raise ValueError("method 'eagle3' drafts every step; the verification head's early exit is method 'eagle3_vh'")
+    if method in EAGLE3_METHODS:
+        if not isinstance(width, int):
+            raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
+        c, steps = min(K, width), drafter.config.num_steps
+        drafted = 1 + c + (steps - 1) * width * c
+        if drafted > ops.MAX_TREE_NODES:
+            raise ValueError(f"method {method!r} with width={width}, K={K} and {steps} steps drafts up to {drafted} "
+                             f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
 
 
 def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -408,7 +417,7 @@ class SpeculativeDecoder:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
         if early_exit is not None and not 0.0 < early_exit < 1.0:
             raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
-        _check_drafter_kind(method, drafter, early_exit)
+        _check_drafter_kind(method, drafter, early_exit, width, K)
         if method == "eagle3_vh" and early_exit is None:
             early_exit = EAGLE3_EARLY_EXIT
         if lookup is None:  # on where the tree is sized by cost (it is then cut by cost too)
@@ -436,15 +445,6 @@ class SpeculativeDecoder:
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
-        if self._eagle3:
-            if not isinstance(width, int):
-                raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
-            c = min(K, width)
-            drafted = 1 + c + (drafter.config.num_steps - 1) * width * c
-            if drafted > ops.MAX_TREE_NODES:
-                raise ValueError(f"method {method!r} with width={width}, K={K} and {drafter.config.num_steps} steps "
-                                 f"drafts up to {drafted} nodes a round; the tree ops take at most "
-                                 f"{ops.MAX_TREE_NODES}: lower width or K")
         self.sync_timing = sync_timing
         self.cost_model = cost_model
         self._given_calibrator = calibrator
