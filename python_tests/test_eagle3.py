@@ -122,6 +122,37 @@ def test_decoding_drafts_what_the_training_time_test_trains():
     torch.testing.assert_close(tree.scores[0, 1:], cumulative, atol=1e-4, rtol=1e-4)
 
 
+def test_every_drafted_node_is_scored_as_the_training_time_test_scores_its_path():
+    """A wide dynamic tree (3 frontier nodes, 3 children each): every node's score minus its
+    parent's is the log-probability the training-time test gives its token after the sequence
+    prefix + the node's path, and each run's children are its most probable tokens."""
+    target = tiny_target("llama", layers=4)
+    drafter = eagle3_drafter(target, num_steps=3)
+    prompt = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        hs = target.model(input_ids=prompt[None, :-1], output_hidden_states=True).hidden_states
+        feats = drafter.target_features(hs)
+        context = drafter.project_context(feats, prompt[None, 1:])
+        kv = drafter.context_kv(context, torch.arange(6)[None])[0]
+        tree = draft_eagle3_tree(drafter, prompt[-1:], torch.tensor([6]), context, kv,
+                                 torch.ones(1, 6, dtype=torch.bool), torch.tensor([5]), steps=3, width=3, children=3)
+        n = int(tree.num_nodes[0])
+        assert n == 1 + 3 + 2 * 9 and int(tree.depths[0].max()) == 3
+        parents, tokens, scores = tree.parents[0].tolist(), tree.tokens[0].tolist(), tree.scores[0]
+        for node in range(1, n):
+            path, p = [], parents[node]
+            while p > 0:
+                path.insert(0, tokens[p])
+                p = parents[p]
+            seq = torch.cat([prompt, torch.tensor(path, dtype=torch.int64)])
+            full = torch.cat([feats[0], feats.new_zeros(len(path) + 1, feats.shape[-1])])
+            out = drafter(full[None], seq[None], steps=len(path) + 1)[-1][0, -1]
+            logp = torch.log_softmax(drafter.head(out)[1].float(), -1)
+            siblings = [tokens[i] for i in range(1, n) if parents[i] == parents[node]]
+            assert siblings == logp.topk(3).indices.tolist()
+            torch.testing.assert_close(scores[node] - scores[parents[node]], logp[tokens[node]], atol=1e-4, rtol=1e-4)
+
+
 def test_batched_drafts_equal_single_request_drafts(setup, monkeypatch):
     """Per round, each request's drafted tree at batch 3 (left padding, a prompt of one token) is
     the tree it gets alone: the per-slot context (with each slot's next token) is kept right."""
