@@ -424,10 +424,17 @@ def test_early_exit_cuts_the_depth_at_the_predicted_rejection(setup, monkeypatch
         for yes_steps, max_depth in ((2, 2), (0, 0), (STEPS, STEPS)):
             trained.verification_head = Head(yes_steps)
             depths.clear()
-            out = check_greedy(SpeculativeDecoder(target, trained, "eagle3_vh", budget=16, width=4, K=8), prompts, refs)
+            widths = []
+            hook = target.register_forward_pre_hook(lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]),
+                                                    with_kwargs=True)
+            try:
+                out = check_greedy(SpeculativeDecoder(target, trained, "eagle3_vh", budget=16, width=4, K=8),
+                                   prompts, refs)
+            finally:
+                hook.remove()
             assert max(depths) == max_depth, (yes_steps, depths)
-            if max_depth == 0:
-                assert all(n == 0 for n in out.stats.tree_nodes)
+            if max_depth == 0:  # plain steps: the target runs the root alone, no padding nodes
+                assert all(n == 0 for n in out.stats.tree_nodes) and set(widths[1:]) == {1}
     finally:
         trained.verification_head = head
 
