@@ -796,7 +796,8 @@ class SpeculativeDecoder:
         if isinstance(draft, Tree):  # EAGLE-3: every drafted node, reranked to the budget
             tree = prune(draft, self.budget)
             width = int(tree.num_nodes.max())  # early exit: no padding columns for the target to run
-            tree = Tree(*(t[:, :width] for t in (tree.tokens, tree.parents, tree.depths, tree.scores)), tree.num_nodes)
+            tree = Tree(*(t[:, :width].contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.scores)),
+                        tree.num_nodes)
             run.tick("tree")
             return tree, None
         if run.drafting and draft is None:
