@@ -38,8 +38,8 @@ from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
-from .eagle import eagle3_draft
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
+from .eagle import eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K: int) -> None:
     """The EAGLE-3 methods take an :class:`Eagle3Drafter` (one width; at most
-    ``ops.MAX_TREE_NODES`` drafted nodes a round), the block methods anything else."""
+    ``ops.MAX_TREE_NODES`` drafted nodes a round), the other drafting methods a block drafter."""
     if method in DRAFTERLESS or drafter is None:
         return
     if method in EAGLE3_METHODS and not isinstance(drafter, Eagle3Drafter):
@@ -387,8 +387,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
-                 method: str = "dartree",
-                 budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
+                 method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
                  estimator: str = "score", lookup: int | None = None) -> None:

@@ -7,8 +7,8 @@ plus VAT on the correction head's teacher-forced corrected logits (``head_weight
 picks the schedule (``vat`` or a baseline: ``dflash``, ``prefix_only``, ``hard_cutoff``,
 ``unshifted``). An EAGLE-3 drafter trains by the training-time test instead
 (:mod:`dartree_ext.training.eagle`, ``--loss eagle3`` or a VAT schedule). AdamW, linear
-warm-up + cosine decay, gradient clipping, bf16 autocast (optional on CPU), checkpoints with resume, tqdm progress and a JSON-lines log (loss, mean k*,
-estimated acceptance).
+warm-up + cosine decay, gradient clipping, bf16 autocast (optional on CPU), checkpoints with
+resume, tqdm progress and a JSON-lines log (loss, mean k*, estimated acceptance).
 """
 from __future__ import annotations
 
