@@ -139,8 +139,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     import statistics
     import time
 
-    from .decoding import METHODS, SpeculativeDecoder, left_pad
-    from .decoding.decoder import AUTO_METHODS
+    from .decoding import SpeculativeDecoder, left_pad
+    from .decoding.decoder import ALL_METHODS, AUTO_METHODS, EAGLE3_METHODS
     from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
@@ -151,7 +151,8 @@ def generate_main(argv: list[str] | None = None) -> int:
                         "smollm2 when installed, else tiny")
     parser.add_argument("--drafter", default=None, help="a drafter directory (save_pretrained); default: the drafter "
                         "shipped for the target, else a random one")
-    parser.add_argument("--method", default="dartree", choices=METHODS)
+    parser.add_argument("--method", default="dartree", choices=ALL_METHODS,
+                        help="eagle3 / eagle3_vh take an EAGLE-3 drafter (--drafter DIR; a random one without it)")
     parser.add_argument("--prompt", default="Write a haiku about trees.")
     parser.add_argument("--prompt-file", default=None, help="one prompt per line (decoded as one batch)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -191,8 +192,11 @@ def generate_main(argv: list[str] | None = None) -> int:
     budget = args.budget
     if budget == "auto" and args.method not in AUTO_METHODS:
         budget = 64
-    drafter_path = args.drafter or shipped_drafter(loaded.name)
-    drafter = None if args.method in ("ar", "lookup") else load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab)
+    eagle3 = args.method in EAGLE3_METHODS
+    drafter_path = args.drafter or (None if eagle3 else shipped_drafter(loaded.name))
+    drafter = None
+    if args.method not in ("ar", "lookup"):
+        drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
     texts = [args.prompt]
     if args.prompt_file:

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from .models import BlockDrafter
+from .models import BlockDrafter, Eagle3Drafter
+from .models.eagle3 import EAGLE3_CONFIG_NAME
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +107,19 @@ def default_target() -> str:
     return "smollm2" if shipped_drafter("SmolLM2-135M-Instruct") else "tiny"
 
 
-def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft_vocab: bool = True) -> BlockDrafter:
-    """A saved drafter (directory) attached to ``target``, or with ``None`` a freshly
-    initialised one (random: expect almost no accepted tokens). ``draft_vocab=False`` ignores
-    a saved draft vocabulary (drafts over the full one)."""
+def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft_vocab: bool = True,
+                 eagle3: bool = False) -> BlockDrafter | Eagle3Drafter:
+    """A saved drafter (directory; an :class:`Eagle3Drafter` where it holds its config) attached
+    to ``target``, or with ``None`` a freshly initialised one (an :class:`Eagle3Drafter` with
+    ``eagle3=True``; random: expect almost no accepted tokens). ``draft_vocab=False`` ignores a
+    saved draft vocabulary (drafts over the full one)."""
     if spec:
-        return BlockDrafter.from_pretrained(spec, target, use_draft_vocab=draft_vocab).eval()
+        kind = Eagle3Drafter if os.path.isfile(os.path.join(spec, EAGLE3_CONFIG_NAME)) else BlockDrafter
+        return kind.from_pretrained(spec, target, use_draft_vocab=draft_vocab).eval()
     log.warning("no drafter given: using a randomly initialised one (its drafts will rarely be accepted)")
     torch.manual_seed(seed)
-    return BlockDrafter.from_target(target).to(next(target.parameters()).dtype).eval()
+    kind = Eagle3Drafter if eagle3 else BlockDrafter
+    return kind.from_target(target).to(next(target.parameters()).dtype).eval()
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -336,8 +336,11 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     from transformers import DynamicCache
 
     from .. import ops
+    from ..models.eagle3 import Eagle3Drafter
     from .decoder import SpeculativeDecoder
 
+    if isinstance(drafter, Eagle3Drafter):
+        raise ValueError("the cost model times block drafters; the EAGLE-3 methods take a fixed budget")
     nodes, contexts = sorted(set(int(n) for n in nodes) | {0}), sorted(set(int(c) for c in contexts))
     param = next(target.parameters())
     device, dtype = param.device, param.dtype

@@ -3,7 +3,8 @@
 ``generate`` prefills the prompts (``_prefill``), then runs rounds until every request is done.
 One round, for every unfinished request at once (each with its own tree and acceptance):
 
-* ``_draft``: the drafter pass from each row's last committed token (the root);
+* ``_draft``: the drafter pass from each row's last committed token (the root); for the
+  EAGLE-3 methods, the drafter's whole dynamic tree (:mod:`~dartree_ext.decoding.eagle`);
 * ``_tree``: the method's draft tree from it (the ops), cut to the chosen size with
   ``budget="auto"`` or at the verification head's predicted first rejection with ``early_exit``;
   with ``lookup``, each row's context-lookup continuation grafted in as one more branch;
@@ -33,15 +34,20 @@ from .. import ops
 from .._widths import canonical_width, depth_widths
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
+from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
+from .eagle import eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
+EAGLE3_METHODS = ("eagle3", "eagle3_vh")  # dynamic trees of an Eagle3Drafter (the others take a BlockDrafter)
+ALL_METHODS = METHODS + EAGLE3_METHODS
+EAGLE3_EARLY_EXIT = 0.5  # eagle3_vh: the verification head's default threshold
 AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
 DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
 DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
@@ -156,6 +162,28 @@ def _text_config(target):
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``visible``, the dtype's minimum elsewhere (HF's additive attention mask)."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K: int) -> None:
+    """The EAGLE-3 methods take an :class:`Eagle3Drafter` (one width; at most
+    ``ops.MAX_TREE_NODES`` drafted nodes a round), the other drafting methods a block drafter."""
+    if method in DRAFTERLESS or drafter is None:
+        return
+    if method in EAGLE3_METHODS and not isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"method {method!r} needs an Eagle3Drafter, got {type(drafter).__name__}")
+    if method not in EAGLE3_METHODS and isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"method {method!r} needs a block drafter; an Eagle3Drafter decodes with "
+                         f"{' or '.join(EAGLE3_METHODS)}")
+    if method == "eagle3" and early_exit is not None:
+        raise ValueError("method 'eagle3' drafts every step; the verification head's early exit is method 'eagle3_vh'")
+    if method in EAGLE3_METHODS:
+        if not isinstance(width, int):
+            raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
+        c, steps = min(K, width), drafter.config.num_steps
+        drafted = 1 + c + (steps - 1) * width * c
+        if drafted > ops.MAX_TREE_NODES:
+            raise ValueError(f"method {method!r} with width={width}, K={K} and {steps} steps drafts up to {drafted} "
+                             f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
 
 
 def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -348,15 +376,23 @@ class SpeculativeDecoder:
     cost. Method ``lookup`` is this branch alone, without a drafter (prompt-lookup decoding).
     ``lookup=None`` (the default) is :data:`DEFAULT_LOOKUP` for method ``lookup`` and with
     ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
+
+    ``eagle3`` and ``eagle3_vh`` (:data:`EAGLE3_METHODS`) take an
+    :class:`~dartree_ext.models.eagle3.Eagle3Drafter` and grow an EAGLE-2-style dynamic tree over
+    its ``num_steps`` steps: each step expands the ``width`` best frontier nodes (cumulative
+    drafter log-probability) with their ``min(K, width)`` most probable children; all drafted
+    nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`). ``eagle3_vh``
+    stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
+    default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there.
     """
 
-    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | None = None, method: str = "dartree",
-                 budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
+    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
+                 method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
                  estimator: str = "score", lookup: int | None = None) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+        if method not in ALL_METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
         self.auto = isinstance(budget, str)
         if self.auto:
             if budget != "auto":
@@ -380,6 +416,9 @@ class SpeculativeDecoder:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
         if early_exit is not None and not 0.0 < early_exit < 1.0:
             raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
+        _check_drafter_kind(method, drafter, early_exit, width, K)
+        if method == "eagle3_vh" and early_exit is None:
+            early_exit = EAGLE3_EARLY_EXIT
         if lookup is None:  # on where the tree is sized by cost (it is then cut by cost too)
             lookup = DEFAULT_LOOKUP if method == "lookup" or (self.auto and method != "ar") else 0
         if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
@@ -398,7 +437,9 @@ class SpeculativeDecoder:
                 raise ValueError(f"method {method!r} needs a drafter")
             drafter.attach(target)  # raises on a target mismatch
         self.early_exit, self.estimator = early_exit, estimator
-        self._vh_used = method not in DRAFTERLESS and (early_exit is not None or (self.auto and estimator == "vh"))
+        self._eagle3 = method in EAGLE3_METHODS
+        self._vh_used = method not in DRAFTERLESS + EAGLE3_METHODS and (
+            early_exit is not None or (self.auto and estimator == "vh"))
         self.target, self.drafter, self.method = target, drafter, method
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
@@ -647,22 +688,36 @@ class SpeculativeDecoder:
                               use_cache=True, output_hidden_states=run.drafting, logits_to_keep=1,
                               **{self._cache_kw: state.cache})
             if run.drafting:
-                state.context = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
+                state.context = self._context_vectors(self.drafter.target_features(out.hidden_states),
+                                                      torch.cat([ids[:, 1:], state.root[:, None]], 1))
                 if self._context_kv:
                     state.context_kv = self.drafter.context_kv(state.context, (slot - pad[:, None]).clamp(min=0))
         run.tick("prefill")
         return state
 
-    def _draft(self, run: _Run, state: _Batch) -> DraftOutput | None:
+    def _context_vectors(self, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The drafter's context vectors of committed slots from the target's features there (an
+        EAGLE-3 drafter also reads the token after each slot: ``next_tokens``)."""
+        if self._eagle3:
+            return self.drafter.project_context(features, next_tokens)
+        return self.drafter.project_context(features)
+
+    def _draft(self, run: _Run, state: _Batch) -> DraftOutput | Tree | None:
         """The drafter pass from every row's root (``None`` without a drafter, or while a plain
         step's back-off skips it); with the verification head in use, its acceptance
-        probabilities too."""
+        probabilities too. The EAGLE-3 methods draft their whole dynamic tree here
+        (:func:`~dartree_ext.decoding.eagle.eagle3_draft`, not yet cut to the budget)."""
         draft = None
         if run.drafting and self._skip == 0:
             if state.context is None:
                 state.context = self.drafter.empty_context(state.rows)
                 if self._context_kv:
                     state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
+            if self._eagle3:
+                draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
+                                     early_exit=self.early_exit)
+                run.tick("draft")
+                return draft
             slot = torch.arange(state.cache_len, device=run.device)
             kw = {}
             if state.context_kv is not None:
@@ -735,8 +790,15 @@ class SpeculativeDecoder:
                 best_steps, best_rate = d, rate
         return best_steps
 
-    def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
+    def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
         """The drafter's tree (see :meth:`_tree`)."""
+        if isinstance(draft, Tree):  # EAGLE-3: every drafted node, reranked to the budget
+            tree = prune(draft, self.budget)
+            width = int(tree.num_nodes.max())  # early exit: no padding columns for the target to run
+            tree = Tree(*(t[:, :width].contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.scores)),
+                        tree.num_nodes)
+            run.tick("tree")
+            return tree, None
         if run.drafting and draft is None:
             run.tick("tree")
             return self.plain_tree(state.root), 0
@@ -811,7 +873,12 @@ class SpeculativeDecoder:
         if run.drafting:
             feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
             feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-            state.append_context(self.drafter.project_context(feats), in_path, new_length, self.drafter)
+            nxt = None
+            if self._eagle3:  # the token after each path slot (the bonus after the last)
+                nxt = torch.cat([tree.tokens.gather(1, nodes)[:, 1:], verdict.bonus[:, None]], 1)
+                nxt = torch.where(torch.arange(width, device=device)[None] >= (lengths.long() - 1)[:, None],
+                                  verdict.bonus[:, None], nxt)
+            state.append_context(self._context_vectors(feats, nxt), in_path, new_length, self.drafter)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None:

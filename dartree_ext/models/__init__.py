@@ -1,8 +1,10 @@
 """Drafter models: :class:`BlockDrafter` (block-parallel drafter), :class:`CorrectionHead`
-(GRU causal correction) and :class:`VerificationHead` (VAT)."""
+(GRU causal correction), :class:`VerificationHead` (VAT) and :class:`Eagle3Drafter`
+(autoregressive, EAGLE-3 style)."""
 from .drafter import (BlockDrafter, BlockDrafterConfig, CorrectionHead, DraftOutput, VerificationHead,
                       default_target_layers, frequent_tokens)
+from .eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from .oracle import LookupDrafter
 
-__all__ = ["BlockDrafter", "LookupDrafter", "BlockDrafterConfig", "CorrectionHead", "DraftOutput", "VerificationHead",
-           "default_target_layers", "frequent_tokens"]
+__all__ = ["BlockDrafter", "Eagle3Drafter", "Eagle3DrafterConfig", "LookupDrafter", "BlockDrafterConfig",
+           "CorrectionHead", "DraftOutput", "VerificationHead", "default_target_layers", "frequent_tokens"]

@@ -15,7 +15,8 @@ import os
 import torch
 
 from ..loading import encode_prompt, load_target, stop_tokens
-from ..models import BlockDrafter
+from ..models import BlockDrafter, Eagle3Drafter
+from ..models.eagle3 import EAGLE3_DECAY_GAMMA
 from .data import BlockSampler, generate_responses
 from .trainer import TrainConfig, Trainer, setup_distributed
 
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", default=None, help="start from this drafter directory instead of a fresh one")
     p.add_argument("--init-from-target", action="store_true",
                    help="start the drafter's layers as copies of the target's last layers (llama-style targets)")
+    p.add_argument("--drafter", default="block", choices=["block", "eagle3"],
+                   help="block: the block-parallel drafter (default); eagle3: the autoregressive EAGLE-3 drafter, "
+                        "trained by the training-time test (--loss eagle3 for EAGLE-3's loss, or a VAT schedule)")
+    p.add_argument("--draft-steps", type=int, default=7, help="eagle3: tokens drafted per round (the unroll depth K)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=1)
     p.add_argument("--head-state", type=int, default=128)
@@ -88,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             p.add_argument(flag, type=kind, default=f.default)
+    p.set_defaults(decay_gamma=None)  # resolved below: the drafter's base schedule
     args = p.parse_args(argv)
+    if args.decay_gamma is None:
+        args.decay_gamma = EAGLE3_DECAY_GAMMA if args.drafter == "eagle3" else TrainConfig.decay_gamma
+    if args.drafter == "eagle3" and (args.init_from_target or args.root_in_masks):
+        p.error("--init-from-target and --root-in-masks are block-drafter options")
+    if args.drafter == "block" and args.loss == "eagle3":
+        p.error("--loss eagle3 trains an EAGLE-3 drafter: add --drafter eagle3")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     rank, world, device = setup_distributed()
@@ -110,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%d records in %s", len(records), data_path)
         return 0
     if args.init:
-        drafter = BlockDrafter.from_pretrained(args.init, target, dtype=torch.float32)
+        kind = Eagle3Drafter if args.drafter == "eagle3" else BlockDrafter
+        drafter = kind.from_pretrained(args.init, target, dtype=torch.float32)
+    elif args.drafter == "eagle3":
+        torch.manual_seed(args.seed)
+        drafter = Eagle3Drafter.from_target(target, num_steps=args.draft_steps)
     else:
         torch.manual_seed(args.seed)
         drafter = BlockDrafter.from_target(target, init_from_target=args.init_from_target, block_size=args.block_size,

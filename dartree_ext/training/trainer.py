@@ -5,9 +5,10 @@ features and its logits; the drafter drafts a block at every anchor (context = t
 before the anchor); the loss is VAT on the drafter's base logits (with the verification head)
 plus VAT on the correction head's teacher-forced corrected logits (``head_weight``). ``--loss``
 picks the schedule (``vat`` or a baseline: ``dflash``, ``prefix_only``, ``hard_cutoff``,
-``unshifted``). AdamW, linear warm-up + cosine decay, gradient clipping, bf16 autocast
-(optional on CPU), checkpoints with resume, tqdm progress and a JSON-lines log (loss, mean k*,
-estimated acceptance).
+``unshifted``). An EAGLE-3 drafter trains by the training-time test instead
+(:mod:`dartree_ext.training.eagle`, ``--loss eagle3`` or a VAT schedule). AdamW, linear
+warm-up + cosine decay, gradient clipping, bf16 autocast (optional on CPU), checkpoints with
+resume, tqdm progress and a JSON-lines log (loss, mean k*, estimated acceptance).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    loss: str = "vat"                   # the VAT schedule: vat | dflash | prefix_only | hard_cutoff | unshifted
+    loss: str = "vat"                   # vat | dflash | prefix_only | hard_cutoff | unshifted | eagle3 (EAGLE-3 drafters)
     rule: str = "greedy"
     decay_gamma: float = 7.0
     vh_weight: float = 1.0
@@ -172,6 +173,18 @@ class DrafterObjective(nn.Module):
         return out
 
 
+def make_objective(drafter: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """:class:`DrafterObjective` for a block drafter, the training-time test
+    (:class:`~dartree_ext.training.eagle.Eagle3Objective`) for an EAGLE-3 drafter."""
+    from ..models.eagle3 import Eagle3Drafter
+    if isinstance(drafter, Eagle3Drafter):
+        from .eagle import Eagle3Objective
+        return Eagle3Objective(drafter, cfg)
+    if cfg.loss == "eagle3":
+        raise ValueError("loss 'eagle3' trains an EAGLE-3 drafter (dartree-train --drafter eagle3)")
+    return DrafterObjective(drafter, cfg)
+
+
 def _local_and_global(counts: torch.Tensor) -> torch.Tensor:
     total = counts.clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -204,7 +217,7 @@ class Trainer:
         self.target, self.drafter, self.sampler, self.cfg = target.eval(), drafter, sampler, cfg
         self.rank, self.world = rank, world
         self.features = features  # a FeatureCache aligned with sampler.seqs, or None (target runs each step)
-        self.objective = DrafterObjective(drafter, cfg)
+        self.objective = make_objective(drafter, cfg)
         self.module: nn.Module = self.objective
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel

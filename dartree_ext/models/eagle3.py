@@ -1,0 +1,361 @@
+"""An EAGLE-3-style autoregressive drafter with a verification head.
+
+Inputs per position: the target's low, middle and high layer hidden states, fused by one linear
+layer into the drafter's width, and the (frozen, shared) target embedding of the *next* token.
+One decoder layer reads ``[embed_norm(e), hidden_norm(h)]`` (width 2H) for its queries, keys
+and values and keeps ``h`` as its residual; its output, through the drafter's own norm and the
+target's LM head (or a reduced draft vocabulary), gives the token after that next token. The
+output (before the norm) is also the hidden input of the following drafting step, so the
+drafter draws ``num_steps`` tokens autoregressively on its own hidden states.
+
+Indexing (training and decoding agree): *index* ``r`` of a sequence ``x`` embeds token ``x[r]``
+and carries hidden ``h[r]`` = the fused target features of ``x[r - 1]`` (zeros for ``r = 0``),
+at rotary position ``r - 1``; its output predicts ``x[r + 1]``. Step ``k > 1`` at index ``i``
+takes as hidden the step ``k - 1`` output at index ``i - 1`` and attends to the step-1 keys at
+indices ``1 .. i - k + 1`` and to the step-``m`` key at index ``i - k + m`` for ``m = 2..k`` (its
+own draft path): the training-time test, exactly what decoding computes from a root at index
+``i - k + 1`` (a decoder's committed slot ``j`` is index ``j + 1``, so index 0, which has no
+features, is a key only for a root at index 0, i.e. a prompt of one token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import (CALIBRATION_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, RMSNorm, VerificationHead, _rope,
+                      _target_io, _target_sizes, check_draft_vocab)
+
+EAGLE3_CONFIG_NAME = "eagle3_drafter.json"
+EAGLE3_DECAY_GAMMA = 1.0 / math.log(1.25)   # exp(-(k - 1) / gamma) = 0.8 ** (k - 1): EAGLE-3's step weights
+MIN_TARGET_LAYERS = 4
+
+
+def eagle3_target_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high layer indices into HF ``hidden_states`` (``i`` = output of layer ``i``;
+    the last entry, already normalised for the LM head, is not used): ``(1 or 2, L // 2, L - 1)``."""
+    if num_target_layers < MIN_TARGET_LAYERS:
+        raise ValueError(f"an EAGLE-3 drafter fuses three distinct intermediate target layers (low, middle, high): "
+                         f"the target needs at least {MIN_TARGET_LAYERS} layers, it has {num_target_layers} "
+                         f"(or pass target_layer_ids)")
+    low = 2 if num_target_layers >= 8 else 1
+    return low, num_target_layers // 2, num_target_layers - 1
+
+
+@dataclasses.dataclass
+class Eagle3DrafterConfig:
+    """Sizes of an EAGLE-3 drafter and of the target it was built for."""
+
+    vocab_size: int
+    hidden_size: int                       # = the target's (shared embedding and LM head)
+    target_num_layers: int
+    target_layer_ids: tuple[int, ...]      # three indices into the target's hidden_states
+    num_steps: int = 7                     # K: tokens drafted autoregressively (training unroll, tree depth)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None            # default hidden_size // num_heads
+    intermediate_size: int | None = None   # default 2 * hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target_model_type: str = ""
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 2 * self.hidden_size
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_layers]
+        if len(self.target_layer_ids) != 3 or bad:
+            raise ValueError(f"target_layer_ids must be three indices (low, middle, high) into the target's "
+                             f"hidden_states (0..{self.target_num_layers}), got {self.target_layer_ids}")
+
+    @property
+    def block_size(self) -> int:
+        """Root + drafted positions per training block (what the block sampler and target pass read)."""
+        return self.num_steps + 1
+
+    @property
+    def draft_depth(self) -> int:
+        return self.num_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+
+class Eagle3Layer(nn.Module):
+    """Pre-norm decoder layer over ``[embed_norm(e), hidden_norm(h)]`` with residual ``h``;
+    causal structure comes from the caller's mask."""
+
+    def __init__(self, cfg: Eagle3DrafterConfig) -> None:
+        super().__init__()
+        h, nh, nkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * h, nh * dh, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * dh, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * dh, bias=False)
+        self.o_proj = nn.Linear(nh * dh, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
+
+    def attn_input(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], -1)
+
+    def kv(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values ``[B, kv_heads, T, head_dim]`` of inputs ``[B, T, H]`` each."""
+        x = self.attn_input(hidden, emb)
+        cfg = self.cfg
+        k = _rope(self._heads(self.k_proj(x), cfg.num_kv_heads), positions, cfg.rope_theta)
+        return k, self._heads(self.v_proj(x), cfg.num_kv_heads)
+
+    def forward(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
+                past_v: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries at ``hidden, emb [B, T, H]``, ``positions int64[B, T]``; keys = ``past_k/past_v
+        [B, kv_heads, P, head_dim]`` followed by the queries' own; ``visible bool[B, T, P + T]``.
+        Returns the output hidden states ``[B, T, H]`` and the queries' keys and values."""
+        cfg = self.cfg
+        x = self.attn_input(hidden, emb)
+        q = _rope(self._heads(self.q_proj(x), cfg.num_heads), positions, cfg.rope_theta)
+        k = _rope(self._heads(self.k_proj(x), cfg.num_kv_heads), positions, cfg.rope_theta)
+        v = self._heads(self.v_proj(x), cfg.num_kv_heads)
+        keys, values = torch.cat([past_k.to(k.dtype), k], 2), torch.cat([past_v.to(v.dtype), v], 2)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
+        out = hidden + self.o_proj(attn.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[1], -1))
+        hm = self.mlp_norm(out)
+        return out + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm)), k, v
+
+
+def ttt_masks(length: int, steps: int, device: torch.device) -> list[torch.Tensor]:
+    """Per step ``k = 1..steps``, ``bool[T, k * T]``: which keys (step 1's ``T``, then step 2's, ...)
+    a step-``k`` query at index ``i`` sees: step-1 keys at ``1 .. i - k + 1`` (index 0 only when
+    ``i - k + 1 = 0``), the step-``m`` key at ``i - k + m`` (``m = 2..k``)."""
+    idx = torch.arange(length, device=device)
+    masks = []
+    for k in range(1, steps + 1):
+        root = idx[:, None] - k + 1
+        parts = [(idx[None, :] <= root) & ((idx[None, :] >= 1) | (root == 0))]
+        parts += [idx[None, :] == idx[:, None] - k + m for m in range(2, k + 1)]
+        masks.append(torch.cat(parts, 1))
+    return masks
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3-style drafter (module docstring) with a verification head on its normed hidden
+    states ("this step and all before it are accepted")."""
+
+    def __init__(self, cfg: Eagle3DrafterConfig, target: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fuse = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.verification_head = VerificationHead(cfg)
+        self._target_modules: tuple[nn.Module, nn.Module] | None = None
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: tuple | None = None
+        self.calibration: dict[str, dict] = {}
+        if target is not None:
+            self.attach(target)
+
+    # target --------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: nn.Module, **config: Any) -> "Eagle3Drafter":
+        """A freshly initialised drafter sized for the HF causal LM ``target`` (keyword arguments
+        override :class:`Eagle3DrafterConfig` fields). A target with fewer than 4 layers (without
+        explicit ``target_layer_ids``) or a ``hidden_size`` other than the target's is a ``ValueError``."""
+        vocab, hidden, layers, model_type = _target_sizes(target)
+        if config.get("hidden_size", hidden) != hidden:
+            raise ValueError(f"an EAGLE-3 drafter's width must equal the target's hidden size {hidden} (it reads the "
+                             f"target's embedding and LM head), got hidden_size={config['hidden_size']}")
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        defaults = dict(vocab_size=vocab, hidden_size=hidden, target_num_layers=layers, target_model_type=model_type,
+                        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
+        if "target_layer_ids" not in config:
+            defaults["target_layer_ids"] = eagle3_target_layers(layers)
+        rope = getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
+        if rope:
+            defaults["rope_theta"] = float(rope)
+        heads = int(getattr(text, "num_attention_heads", 4))
+        if hidden % heads == 0:
+            kv = int(getattr(text, "num_key_value_heads", heads) or heads)
+            defaults.update(num_heads=heads, num_kv_heads=kv if heads % kv == 0 else heads)
+        defaults.update(config)
+        drafter = cls(Eagle3DrafterConfig(**defaults), target)
+        return drafter.to(device=next(target.parameters()).device)
+
+    def attach(self, target: nn.Module) -> "Eagle3Drafter":
+        """Use ``target``'s embedding and LM head (its sizes are checked against the config)."""
+        vocab, hidden, layers, _ = _target_sizes(target)
+        cfg = self.config
+        if (vocab, hidden, layers) != (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers):
+            raise ValueError(
+                f"this EAGLE-3 drafter was built for a target with vocab_size={cfg.vocab_size}, hidden_size="
+                f"{cfg.hidden_size}, {cfg.target_num_layers} layers; the given target has vocab_size={vocab}, "
+                f"hidden_size={hidden}, {layers} layers")
+        self._target_modules = _target_io(target)
+        return self
+
+    @property
+    def embedding(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fuse.weight.dtype
+
+    def set_draft_vocab(self, ids) -> "Eagle3Drafter":
+        """Draft over these target token ids only (d2t); ``None`` restores the full vocabulary."""
+        self.draft_vocab = None if ids is None else check_draft_vocab(ids, self.config.vocab_size)
+        self._draft_head = None
+        return self
+
+    # inputs ---------------------------------------------------------------------------------
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The low / middle / high target hidden states, concatenated: ``[B, T, 3H]``."""
+        return torch.cat([hidden_states[i] for i in self.config.target_layer_ids], -1)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's hidden input ``[B, T, H]`` from :meth:`target_features`."""
+        return self.fuse(features.to(self.dtype))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding(tokens).to(self.dtype)
+
+    def project_context(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """A decoder's context vector per committed slot: ``[fused features, embedding of the
+        slot's next token]`` (``[B, T, 2H]``; slot ``j`` is index ``j + 1``)."""
+        return torch.cat([self.fuse_features(features), self.embed(next_tokens)], -1)
+
+    def empty_context(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows, 0, 2 * self.config.hidden_size, dtype=self.dtype, device=self.fuse.weight.device)
+
+    def context_kv(self, context: torch.Tensor, context_positions: torch.Tensor) -> list[torch.Tensor]:
+        """Keys and values of context vectors (:meth:`project_context`) at ``context_positions``:
+        a one-element list of ``[B, S, 2, kv_heads, head_dim]`` (the decoder keeps it per slot)."""
+        h = self.config.hidden_size
+        k, v = self.layer.kv(context[..., :h], context[..., h:], context_positions)
+        return [torch.stack([k, v], 1).permute(0, 3, 1, 2, 4)]
+
+    # outputs --------------------------------------------------------------------------------
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, logits)`` of layer outputs ``[..., H]``; with a draft vocabulary (in eval mode)
+        the logits cover its entries only."""
+        normed = self.norm(hidden)
+        if self.draft_vocab is not None and not self.training:
+            w = self.lm_head.weight
+            key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+            if self._draft_head is None or self._draft_head[0] != key:
+                self._draft_head = (key, w.detach()[self.draft_vocab.to(w.device)].contiguous())
+            logits = normed.to(w.dtype) @ self._draft_head[1].T
+            bias = getattr(self.lm_head, "bias", None)
+            if bias is not None:
+                logits = logits + bias[self.draft_vocab.to(bias.device)]
+            return normed, logits
+        return normed, self.lm_head(normed.to(self.lm_head.weight.dtype))
+
+    def vocab_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Indices into :meth:`head`'s logits -> target token ids."""
+        return ids if self.draft_vocab is None or self.training else self.draft_vocab.to(ids.device)[ids]
+
+    # training-time test ------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
+        """The training-time test over whole sequences: ``features [S, T, 3H]`` (the target's, at
+        every token), ``tokens int64[S, T]`` (the data). Returns per step ``k = 1..steps`` (default
+        ``num_steps``) the layer outputs ``[S, T, H]`` by index (module docstring): index ``i`` of
+        step ``k`` predicts ``tokens[i + 1]`` after the drafter drafted ``k - 1`` tokens itself from
+        the root at ``i - k + 1``."""
+        steps = steps or self.config.num_steps
+        s, t = tokens.shape
+        fused = self.fuse_features(features)
+        hidden = torch.cat([fused.new_zeros(s, 1, fused.shape[-1]), fused[:, :-1]], 1)
+        emb = self.embed(tokens)
+        positions = (torch.arange(t, device=tokens.device) - 1)[None].expand(s, -1)
+        masks = ttt_masks(t, steps, tokens.device)
+        keys, values, outs = [], [], []
+        for k in range(steps):
+            past_k = torch.cat(keys, 2) if keys else hidden.new_empty(s, self.config.num_kv_heads, 0,
+                                                                       self.config.head_dim)
+            past_v = torch.cat(values, 2) if values else past_k
+            out, key, value = self.layer(hidden, emb, positions, past_k, past_v, masks[k][None].expand(s, -1, -1))
+            keys.append(key)
+            values.append(value)
+            outs.append(out)
+            hidden = torch.cat([out.new_zeros(s, 1, out.shape[-1]), out[:, :-1]], 1)  # step k at i-1 feeds i
+        return outs
+
+    # persistence ---------------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """``path/eagle3_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights, cast
+        to ``dtype`` if given), ``draft_vocab.json`` and ``calibration.json`` when set."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, EAGLE3_CONFIG_NAME), "w") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        if self.draft_vocab is not None:
+            with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
+                json.dump(self.draft_vocab.tolist(), f)
+        if self.calibration:
+            with open(os.path.join(path, CALIBRATION_NAME), "w") as f:
+                json.dump(self.calibration, f)
+        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
+                   for k, v in self.state_dict().items()}, os.path.join(path, WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module, dtype: torch.dtype | None = None,
+                        use_draft_vocab: bool = True) -> "Eagle3Drafter":
+        """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a size
+        mismatch is a ``ValueError``)."""
+        from safetensors.torch import load_file
+        cfg_path = os.path.join(path, EAGLE3_CONFIG_NAME)
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no EAGLE-3 drafter at {path!r}: {EAGLE3_CONFIG_NAME} is missing")
+        with open(cfg_path) as f:
+            drafter = cls(Eagle3DrafterConfig(**json.load(f)))
+        drafter.attach(target)
+        missing, unexpected = drafter.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        if use_draft_vocab and os.path.isfile(vocab_path):
+            with open(vocab_path) as f:
+                drafter.set_draft_vocab(json.load(f))
+        calibration_path = os.path.join(path, CALIBRATION_NAME)
+        if os.path.isfile(calibration_path):
+            with open(calibration_path) as f:
+                drafter.calibration = json.load(f)
+        param = next(target.parameters())
+        return drafter.to(device=param.device, dtype=dtype or param.dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
