@@ -21,6 +21,7 @@ from torch import nn
 
 from ..models.eagle3 import EAGLE3_DECAY_GAMMA, Eagle3Drafter
 from ..vat import SCHEDULES, vat_loss
+from .scales import global_scales
 
 EAGLE3_LOSSES = ("eagle3",) + SCHEDULES
 
@@ -61,7 +62,6 @@ class Eagle3Objective(nn.Module):
         self.drafter, self.cfg = drafter, cfg
 
     def forward(self, batch, tb, generator: torch.Generator | None = None) -> dict:
-        from .trainer import DrafterObjective
         d, cfg = self.drafter, self.cfg
         device = tb.features.device
         outs = d(tb.features, batch.sequences.to(device))
@@ -69,7 +69,7 @@ class Eagle3Objective(nn.Module):
         labels = torch.where(tb.valid, tb.labels, 0)
         target_logits = tb.logits.to(logits.dtype)
         opts = dict(rule=cfg.rule, vh_weight=cfg.vh_weight, generator=generator)
-        block_scale, position_scale = DrafterObjective._global_scales(tb.valid)
+        block_scale, position_scale = global_scales(tb.valid)
         if cfg.loss == "eagle3":
             vh = d.verification_head(normed.detach())
             base = vat_loss(logits.detach(), target_logits, labels, vh, tb.valid, schedule="dflash",

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..models import BlockDrafter
 from .data import BlockBatch, BlockSampler
+from .scales import global_scales
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +133,6 @@ class DrafterObjective(nn.Module):
         super().__init__()
         self.drafter, self.cfg = drafter, cfg
 
-    @staticmethod
-    def _global_scales(valid: torch.Tensor) -> tuple[float, float]:
-        """The VAT op averages over this process's blocks (CE) and valid positions (VH); DDP then
-        averages over processes. These factors turn that into the average over the *global*
-        batch, so N processes compute exactly the single-process gradient (1.0 when alone)."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return 1.0, 1.0
-        local = torch.stack([valid.any(1).sum(), valid.sum()]).double()
-        total = _local_and_global(local)
-        world = dist.get_world_size()
-        return float(local[0] * world / total[0]), float(local[1] * world / total[1])
-
     def forward(self, batch: BlockBatch, tb: TargetBatch, generator: torch.Generator | None = None) -> dict:
         from ..vat import vat_loss
         d, cfg = self.drafter, self.cfg
@@ -161,7 +150,7 @@ class DrafterObjective(nn.Module):
         target_logits = tb.logits.to(draft.base_logits.dtype)
         opts = dict(rule=cfg.rule, schedule=cfg.loss, decay_gamma=cfg.decay_gamma, generator=generator)
         base = vat_loss(draft.base_logits, target_logits, labels, vh, tb.valid, vh_weight=cfg.vh_weight, **opts)
-        block_scale, position_scale = self._global_scales(tb.valid)
+        block_scale, position_scale = global_scales(tb.valid)
         loss = base.ce_loss * block_scale + cfg.vh_weight * base.vh_loss * position_scale
         out = {"base": base, "valid": tb.valid}
         if cfg.head_weight > 0:
@@ -183,13 +172,6 @@ def make_objective(drafter: nn.Module, cfg: TrainConfig) -> nn.Module:
     if cfg.loss == "eagle3":
         raise ValueError("loss 'eagle3' trains an EAGLE-3 drafter (dartree-train --drafter eagle3)")
     return DrafterObjective(drafter, cfg)
-
-
-def _local_and_global(counts: torch.Tensor) -> torch.Tensor:
-    total = counts.clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
