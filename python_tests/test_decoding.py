@@ -143,6 +143,42 @@ def chi2_test(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, fl
     return stat, chi2_quantile(int(keep.sum()) - 1, 3.5)
 
 
+def sampling_target(vocab: int = 4):
+    """The tiny target of the distribution tests: next-token probabilities from about 0.05 to 0.55."""
+    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    return target
+
+
+def exact_counts(target, prompt: torch.Tensor, new: int, copies: int, temperature: float,
+                 top_p: float | None) -> torch.Tensor:
+    """Expected counts of every sequence of ``new`` tokens after ``prompt`` over ``copies``
+    samples (index: the tokens read as a base-V number), from the target's exact probabilities."""
+    from dartree_ext.sampling import _filter_top_p
+    vocab = target.config.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(vocab)] * new)
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = target(full).logits[:, prompt.numel() - 1:-1].float() / temperature
+    if top_p is not None:
+        logits = _filter_top_p(logits, top_p)
+    logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].sum(-1)
+    return logp.exp() * copies
+
+
+def assert_matches_target(generated: torch.Tensor, expected: torch.Tensor, vocab: int) -> None:
+    """The generated sequences' frequencies pass the chi-square test against ``expected``
+    (:func:`exact_counts`), and none falls outside its support."""
+    new = generated.shape[1]
+    index = (generated * torch.tensor([vocab ** (new - 1 - k) for k in range(new)])).sum(1)
+    observed = torch.bincount(index, minlength=vocab ** new).double()
+    support = expected > 0
+    assert observed[~support].sum() == 0, "sampled a sequence top-p excludes"
+    stat, limit = chi2_test(observed[support], expected[support])
+    assert stat < limit, f"chi2 = {stat:.1f}, limit {limit:.1f}"
+
+
 def chi2_quantile(df: int, z: float) -> float:
     """Wilson-Hilferty approximation of the chi-square quantile at standard-normal z."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
@@ -155,22 +191,11 @@ def chi2_quantile(df: int, z: float) -> float:
 def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
     """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary and compare the
     64 sequence frequencies with the target's exact probabilities (:func:`chi2_test`). Deterministic (fixed generator)."""
-    from dartree_ext.sampling import _filter_top_p
     vocab, new, copies = 4, 3, 3000
-    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(3.0)   # next-token probabilities from about 0.05 to 0.55
+    target = sampling_target(vocab)
     drafter = tiny_drafter(target, seed=4, block_size=4)
     prompt = torch.tensor([1, 2, 3, 0, 2])
-    # exact distribution of the 3 generated tokens
-    seqs = torch.cartesian_prod(*[torch.arange(vocab)] * new)
-    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
-    with torch.no_grad():
-        logits = target(full).logits[:, prompt.numel() - 1:-1].float() / temperature
-    if top_p is not None:
-        logits = _filter_top_p(logits, top_p)
-    logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].sum(-1)
-    expected = logp.exp() * copies
+    expected = exact_counts(target, prompt, new, copies, temperature, top_p)
     auto = {}
     if budget == "auto":  # nodes nearly free: per-round trees from the calibrated scores, batch 3000
         from dartree_ext.decoding.cost import CostModel
@@ -178,13 +203,7 @@ def test_sampling_distribution_matches_target(method, temperature, top_p, budget
     dec = SpeculativeDecoder(target, drafter, method, budget=budget, width=4, K=4, **auto)
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
                        top_p=top_p, generator=torch.Generator().manual_seed(11))
-    gen = out.sequences[:, prompt.numel():]
-    index = (gen * torch.tensor([vocab ** 2, vocab, 1])).sum(1)
-    observed = torch.bincount(index, minlength=vocab ** new).double()
-    support = expected > 0
-    assert observed[~support].sum() == 0, "sampled a sequence top-p excludes"
-    stat, limit = chi2_test(observed[support], expected[support])
-    assert stat < limit, f"chi2 = {stat:.1f}, limit {limit:.1f}"
+    assert_matches_target(out.sequences[:, prompt.numel():], expected, vocab)
     if method != "chain":  # the context continuation (lookup) is right less often than a tree
         assert out.stats.tau > (1.1 if method == "lookup" else 1.2), \
             "the draft trees should be accepted at times, or the test proves little"
@@ -193,9 +212,7 @@ def test_sampling_distribution_matches_target(method, temperature, top_p, budget
 def test_sampling_test_detects_a_biased_sampler():
     """The chi-square check above can fail: a sampler at the wrong temperature fails it."""
     vocab, copies = 4, 3000
-    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(3.0)
+    target = sampling_target(vocab)
     prompt = torch.tensor([1, 2, 3, 0, 2])
     with torch.no_grad():
         p = torch.softmax(target(prompt[None]).logits[0, -1].float(), -1)

@@ -21,7 +21,7 @@ from dartree_ext.training.eagle import Eagle3Objective, eagle3_soft_ce, eagle3_w
 from dartree_ext.vat import vat_loss  # noqa: E402
 
 from models import greedy_reference, tiny_target  # noqa: E402
-from test_decoding import check_greedy, chi2_test, left_pad  # noqa: E402
+from test_decoding import assert_matches_target, check_greedy, exact_counts, left_pad, sampling_target  # noqa: E402
 
 NEW = 24
 STEPS = 4
@@ -443,32 +443,16 @@ def test_early_exit_cuts_the_depth_at_the_predicted_rejection(setup, monkeypatch
 def test_sampling_distribution_matches_target(method, temperature, top_p):
     """As the block methods' test: 3 tokens for 3000 copies of one prompt over a 4-token
     vocabulary against the target's exact sequence probabilities (chi-square)."""
-    from dartree_ext.sampling import _filter_top_p
     vocab, new, copies = 4, 3, 3000
-    target = tiny_target("llama", vocab=vocab, hidden=16, layers=2, seed=3)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(3.0)
+    target = sampling_target(vocab)
     drafter = eagle3_drafter(target, seed=4, num_steps=3, target_layer_ids=(0, 1, 2))
     prompt = torch.tensor([1, 2, 3, 0, 2])
-    seqs = torch.cartesian_prod(*[torch.arange(vocab)] * new)
-    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
-    with torch.no_grad():
-        logits = target(full).logits[:, prompt.numel() - 1:-1].float() / temperature
-    if top_p is not None:
-        logits = _filter_top_p(logits, top_p)
-    logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].sum(-1)
-    expected = logp.exp() * copies
+    expected = exact_counts(target, prompt, new, copies, temperature, top_p)
     dec = SpeculativeDecoder(target, drafter, method, budget=8, width=2, K=4,
                              early_exit=0.3 if method == "eagle3_vh" else None)
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
                        top_p=top_p, generator=torch.Generator().manual_seed(11))
-    gen = out.sequences[:, prompt.numel():]
-    index = (gen * torch.tensor([vocab ** 2, vocab, 1])).sum(1)
-    observed = torch.bincount(index, minlength=vocab ** new).double()
-    support = expected > 0
-    assert observed[~support].sum() == 0, "sampled a sequence top-p excludes"
-    stat, limit = chi2_test(observed[support], expected[support])
-    assert stat < limit, f"chi2 = {stat:.1f}, limit {limit:.1f}"
+    assert_matches_target(out.sequences[:, prompt.numel():], expected, vocab)
     assert out.stats.tau > 1.2, "the draft trees should be accepted at times, or the test proves little"
 
 

@@ -128,19 +128,18 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
-class DrafterLayer(nn.Module):
-    """Pre-norm decoder layer whose queries are the block and whose keys/values are the context
-    followed by the block (non-causal inside the block)."""
+class AttentionMLPLayer(nn.Module):
+    """The weights every drafter layer has: q/k/v/o projections from ``in_width`` inputs (grouped
+    query heads), and a SwiGLU MLP after its own norm."""
 
-    def __init__(self, cfg: BlockDrafterConfig) -> None:
+    def __init__(self, cfg, in_width: int) -> None:
         super().__init__()
         h, nh, nkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = nn.Linear(h, nh * dh, bias=False)
-        self.k_proj = nn.Linear(h, nkv * dh, bias=False)
-        self.v_proj = nn.Linear(h, nkv * dh, bias=False)
+        self.q_proj = nn.Linear(in_width, nh * dh, bias=False)
+        self.k_proj = nn.Linear(in_width, nkv * dh, bias=False)
+        self.v_proj = nn.Linear(in_width, nkv * dh, bias=False)
         self.o_proj = nn.Linear(nh * dh, h, bias=False)
-        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
@@ -148,6 +147,28 @@ class DrafterLayer(nn.Module):
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
+
+    def attend(self, residual: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """``residual + o_proj(attention)``, then the MLP block: queries ``[B, heads, T, Dh]``,
+        keys/values ``[B, kv_heads, S, Dh]`` (repeated for the query heads here), ``mask`` bool
+        broadcastable to ``[B, heads, T, S]``."""
+        rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = residual + self.o_proj(attn.transpose(1, 2).reshape(residual.shape[0], residual.shape[1], -1))
+        hm = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm))
+
+
+class DrafterLayer(AttentionMLPLayer):
+    """Pre-norm decoder layer whose queries are the block and whose keys/values are the context
+    followed by the block (non-causal inside the block)."""
+
+    def __init__(self, cfg: BlockDrafterConfig) -> None:
+        super().__init__(cfg, cfg.hidden_size)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
         """The keys (rotated) and values of context vectors ``[B, S, H]`` at ``ctx_pos int64[B, S]``:
@@ -175,15 +196,9 @@ class DrafterLayer(nn.Module):
             k = torch.cat([ctx_kv[:, :, 0].transpose(1, 2),
                            _rope(self._heads(self.k_proj(hx), cfg.num_kv_heads), block_pos, cfg.rope_theta)], 2)
             v = torch.cat([ctx_kv[:, :, 1].transpose(1, 2), self._heads(self.v_proj(hx), cfg.num_kv_heads)], 2)
-        rep = cfg.num_heads // cfg.num_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         visible = torch.cat([ctx_mask.expand(x.shape[0], -1),
                              torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)], 1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-        hm = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm))
+        return self.attend(x, q, k, v, visible[:, None, None, :])
 
 
 class CorrectionHead(nn.Module):
@@ -287,8 +302,99 @@ def frequent_tokens(sequences, size: int, always=()) -> list[int]:
     return chosen[:size]
 
 
-class BlockDrafter(nn.Module):
+class TargetAttached:
+    """What every drafter shares: its target's embedding and LM head (set by :meth:`attach`,
+    checked against ``self.config``, never saved with the drafter) and its files
+    (:meth:`save_pretrained` / :meth:`from_pretrained`)."""
+
+    _kind = "drafter"  # how errors name it
+    _target_modules: tuple | None = None
+
+    def attach(self, target: nn.Module):
+        """Use ``target``'s embedding and LM head (checked against the config)."""
+        vocab, hidden, layers, _ = _target_sizes(target)
+        cfg = self.config
+        if (vocab, hidden, layers) != (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers):
+            raise ValueError(
+                f"this {self._kind} was built for a target with vocab_size={cfg.vocab_size}, hidden_size="
+                f"{cfg.hidden_size}, {cfg.target_num_layers} layers; the given target has vocab_size={vocab}, "
+                f"hidden_size={hidden}, {layers} layers")
+        self._target_modules = _target_io(target)
+        return self
+
+    @property
+    def embedding(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if self._target_modules is None:
+            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
+        return self._target_modules[1]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # persistence ---------------------------------------------------------------------------
+    _config_name: str = CONFIG_NAME  # the config file, and the config class it holds
+    _config_class: type = None
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """``path/<config json>`` + ``path/model.safetensors`` (the drafter's own weights, cast to
+        ``dtype`` if given, e.g. bfloat16 to halve a shipped file), ``draft_vocab.json`` and
+        ``calibration.json`` when set."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, self._config_name), "w") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        if self.draft_vocab is not None:
+            with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
+                json.dump(self.draft_vocab.tolist(), f)
+        if self.calibration:
+            with open(os.path.join(path, CALIBRATION_NAME), "w") as f:
+                json.dump(self.calibration, f)
+        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
+                   for k, v in self.state_dict().items()}, os.path.join(path, WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module, dtype: torch.dtype | None = None,
+                        use_draft_vocab: bool = True):
+        """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a
+        vocabulary, hidden-size or depth mismatch is a ``ValueError``). A ``draft_vocab.json``
+        next to the weights sets the draft vocabulary (:meth:`set_draft_vocab`) unless
+        ``use_draft_vocab=False``."""
+        from safetensors.torch import load_file
+        cfg_path = os.path.join(path, cls._config_name)
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no {cls._kind} at {path!r}: {cls._config_name} is missing")
+        with open(cfg_path) as f:
+            drafter = cls(cls._config_class(**json.load(f)))
+        drafter.attach(target)
+        missing, unexpected = drafter.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
+        if use_draft_vocab and os.path.isfile(vocab_path):
+            with open(vocab_path) as f:
+                try:
+                    drafter.set_draft_vocab(json.load(f))
+                except ValueError as e:
+                    raise ValueError(f"{vocab_path}: {e}") from None
+        calibration_path = os.path.join(path, CALIBRATION_NAME)
+        if os.path.isfile(calibration_path):
+            with open(calibration_path) as f:
+                drafter.calibration = json.load(f)
+        param = next(target.parameters())
+        return drafter.to(device=param.device, dtype=dtype or param.dtype)
+
+
+class BlockDrafter(TargetAttached, nn.Module):
     """A block-parallel drafter with its correction and verification heads."""
+
+    _config_class = BlockDrafterConfig
 
     def __init__(self, cfg: BlockDrafterConfig, target: nn.Module | None = None) -> None:
         super().__init__()
@@ -399,30 +505,6 @@ class BlockDrafter(nn.Module):
         self.context_proj.weight.copy_(w)
         return self
 
-    def attach(self, target: nn.Module) -> "BlockDrafter":
-        """Use ``target``'s embedding and LM head (checked against the config)."""
-        vocab, hidden, layers, _ = _target_sizes(target)
-        cfg = self.config
-        if (vocab, hidden, layers) != (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers):
-            raise ValueError(
-                f"this drafter was built for a target with vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, "
-                f"{cfg.target_num_layers} layers; the given target has vocab_size={vocab}, hidden_size={hidden}, "
-                f"{layers} layers")
-        self._target_modules = _target_io(target)
-        return self
-
-    @property
-    def embedding(self) -> nn.Module:
-        if self._target_modules is None:
-            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
-        return self._target_modules[0]
-
-    @property
-    def lm_head(self) -> nn.Module:
-        if self._target_modules is None:
-            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
-        return self._target_modules[1]
-
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the drafter's own weights (its context and hidden states)."""
@@ -495,58 +577,5 @@ class BlockDrafter(nn.Module):
         self._exported_head = (key, head)
         return head
 
-    # persistence ---------------------------------------------------------------------------
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """``path/dartree_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights,
-        cast to ``dtype`` if given, e.g. bfloat16 to halve a shipped file)."""
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        if self.draft_vocab is not None:
-            with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
-                json.dump(self.draft_vocab.tolist(), f)
-        if self.calibration:
-            with open(os.path.join(path, CALIBRATION_NAME), "w") as f:
-                json.dump(self.calibration, f)
-        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
-                   for k, v in self.state_dict().items()},
-                  os.path.join(path, WEIGHTS_NAME))
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module,
-                        dtype: torch.dtype | None = None, use_draft_vocab: bool = True) -> "BlockDrafter":
-        """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a
-        vocabulary, hidden-size or depth mismatch is a ``ValueError``). A ``draft_vocab.json``
-        next to the weights sets the draft vocabulary (:meth:`set_draft_vocab`) unless
-        ``use_draft_vocab=False``."""
-        from safetensors.torch import load_file
-        cfg_path = os.path.join(path, CONFIG_NAME)
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"no drafter at {path!r}: {CONFIG_NAME} is missing")
-        with open(cfg_path) as f:
-            cfg = BlockDrafterConfig(**json.load(f))
-        drafter = cls(cfg)
-        drafter.attach(target)
-        state = load_file(os.path.join(path, WEIGHTS_NAME))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
-        if use_draft_vocab and os.path.isfile(vocab_path):
-            with open(vocab_path) as f:
-                try:
-                    drafter.set_draft_vocab(json.load(f))
-                except ValueError as e:
-                    raise ValueError(f"{vocab_path}: {e}") from None
-        calibration_path = os.path.join(path, CALIBRATION_NAME)
-        if os.path.isfile(calibration_path):
-            with open(calibration_path) as f:
-                drafter.calibration = json.load(f)
-        param = next(target.parameters())
-        return drafter.to(device=param.device, dtype=dtype or param.dtype)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 

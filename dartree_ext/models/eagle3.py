@@ -20,17 +20,13 @@ features, is a key only for a root at index 0, i.e. a prompt of one token).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .drafter import (CALIBRATION_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, RMSNorm, VerificationHead, _rope,
-                      _target_io, _target_sizes, check_draft_vocab)
+from .drafter import AttentionMLPLayer, RMSNorm, TargetAttached, VerificationHead, _rope, _target_sizes, check_draft_vocab
 
 EAGLE3_CONFIG_NAME = "eagle3_drafter.json"
 EAGLE3_DECAY_GAMMA = 1.0 / math.log(1.25)   # exp(-(k - 1) / gamma) = 0.8 ** (k - 1): EAGLE-3's step weights
@@ -95,34 +91,23 @@ class Eagle3DrafterConfig:
         return d
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(AttentionMLPLayer):
     """Pre-norm decoder layer over ``[embed_norm(e), hidden_norm(h)]`` with residual ``h``;
     causal structure comes from the caller's mask."""
 
     def __init__(self, cfg: Eagle3DrafterConfig) -> None:
-        super().__init__()
-        h, nh, nkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.cfg = cfg
-        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(2 * h, nh * dh, bias=False)
-        self.k_proj = nn.Linear(2 * h, nkv * dh, bias=False)
-        self.v_proj = nn.Linear(2 * h, nkv * dh, bias=False)
-        self.o_proj = nn.Linear(nh * dh, h, bias=False)
-        self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
+        super().__init__(cfg, 2 * cfg.hidden_size)
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def attn_input(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], -1)
 
     def kv(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values ``[B, kv_heads, T, head_dim]`` of inputs ``[B, T, H]`` each."""
-        x = self.attn_input(hidden, emb)
+        return self._kv(self.attn_input(hidden, emb), positions)
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         k = _rope(self._heads(self.k_proj(x), cfg.num_kv_heads), positions, cfg.rope_theta)
         return k, self._heads(self.v_proj(x), cfg.num_kv_heads)
@@ -135,16 +120,9 @@ class Eagle3Layer(nn.Module):
         cfg = self.cfg
         x = self.attn_input(hidden, emb)
         q = _rope(self._heads(self.q_proj(x), cfg.num_heads), positions, cfg.rope_theta)
-        k = _rope(self._heads(self.k_proj(x), cfg.num_kv_heads), positions, cfg.rope_theta)
-        v = self._heads(self.v_proj(x), cfg.num_kv_heads)
+        k, v = self._kv(x, positions)
         keys, values = torch.cat([past_k.to(k.dtype), k], 2), torch.cat([past_v.to(v.dtype), v], 2)
-        rep = cfg.num_heads // cfg.num_kv_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
-        out = hidden + self.o_proj(attn.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[1], -1))
-        hm = self.mlp_norm(out)
-        return out + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm)), k, v
+        return self.attend(hidden, q, keys, values, visible[:, None]), k, v
 
 
 def ttt_masks(length: int, steps: int, device: torch.device) -> list[torch.Tensor]:
@@ -161,9 +139,12 @@ def ttt_masks(length: int, steps: int, device: torch.device) -> list[torch.Tenso
     return masks
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(TargetAttached, nn.Module):
     """EAGLE-3-style drafter (module docstring) with a verification head on its normed hidden
     states ("this step and all before it are accepted")."""
+
+    _kind = "EAGLE-3 drafter"
+    _config_name, _config_class = EAGLE3_CONFIG_NAME, Eagle3DrafterConfig
 
     def __init__(self, cfg: Eagle3DrafterConfig, target: nn.Module | None = None) -> None:
         super().__init__()
@@ -204,30 +185,6 @@ class Eagle3Drafter(nn.Module):
         defaults.update(config)
         drafter = cls(Eagle3DrafterConfig(**defaults), target)
         return drafter.to(device=next(target.parameters()).device)
-
-    def attach(self, target: nn.Module) -> "Eagle3Drafter":
-        """Use ``target``'s embedding and LM head (its sizes are checked against the config)."""
-        vocab, hidden, layers, _ = _target_sizes(target)
-        cfg = self.config
-        if (vocab, hidden, layers) != (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers):
-            raise ValueError(
-                f"this EAGLE-3 drafter was built for a target with vocab_size={cfg.vocab_size}, hidden_size="
-                f"{cfg.hidden_size}, {cfg.target_num_layers} layers; the given target has vocab_size={vocab}, "
-                f"hidden_size={hidden}, {layers} layers")
-        self._target_modules = _target_io(target)
-        return self
-
-    @property
-    def embedding(self) -> nn.Module:
-        if self._target_modules is None:
-            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
-        return self._target_modules[0]
-
-    @property
-    def lm_head(self) -> nn.Module:
-        if self._target_modules is None:
-            raise RuntimeError("the drafter is not attached to a target: call drafter.attach(target)")
-        return self._target_modules[1]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -312,50 +269,3 @@ class Eagle3Drafter(nn.Module):
             outs.append(out)
             hidden = torch.cat([out.new_zeros(s, 1, out.shape[-1]), out[:, :-1]], 1)  # step k at i-1 feeds i
         return outs
-
-    # persistence ---------------------------------------------------------------------------
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """``path/eagle3_drafter.json`` + ``path/model.safetensors`` (the drafter's own weights, cast
-        to ``dtype`` if given), ``draft_vocab.json`` and ``calibration.json`` when set."""
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, EAGLE3_CONFIG_NAME), "w") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        if self.draft_vocab is not None:
-            with open(os.path.join(path, DRAFT_VOCAB_NAME), "w") as f:
-                json.dump(self.draft_vocab.tolist(), f)
-        if self.calibration:
-            with open(os.path.join(path, CALIBRATION_NAME), "w") as f:
-                json.dump(self.calibration, f)
-        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
-                   for k, v in self.state_dict().items()}, os.path.join(path, WEIGHTS_NAME))
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module, dtype: torch.dtype | None = None,
-                        use_draft_vocab: bool = True) -> "Eagle3Drafter":
-        """Load a drafter saved with :meth:`save_pretrained` and attach it to ``target`` (a size
-        mismatch is a ``ValueError``)."""
-        from safetensors.torch import load_file
-        cfg_path = os.path.join(path, EAGLE3_CONFIG_NAME)
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"no EAGLE-3 drafter at {path!r}: {EAGLE3_CONFIG_NAME} is missing")
-        with open(cfg_path) as f:
-            drafter = cls(Eagle3DrafterConfig(**json.load(f)))
-        drafter.attach(target)
-        missing, unexpected = drafter.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
-        if use_draft_vocab and os.path.isfile(vocab_path):
-            with open(vocab_path) as f:
-                drafter.set_draft_vocab(json.load(f))
-        calibration_path = os.path.join(path, CALIBRATION_NAME)
-        if os.path.isfile(calibration_path):
-            with open(calibration_path) as f:
-                drafter.calibration = json.load(f)
-        param = next(target.parameters())
-        return drafter.to(device=param.device, dtype=dtype or param.dtype)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
