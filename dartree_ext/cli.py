@@ -278,6 +278,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
     import json
 
+    from .decoding import SpeculativeDecoder
     from .decoding.cost import cached_cost_model, cost_key, measure_cost_model, _key_path
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
@@ -306,7 +307,9 @@ def profile_main(argv: list[str] | None = None) -> int:
                          device=args.device)
     drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target)
     drafter = drafter.to(device=args.device)
-    kw = dict(methods=methods, nodes=nodes, contexts=contexts, reps=args.reps, progress=True)
+    builders = {m: SpeculativeDecoder(loaded.target, drafter, m, budget=max(1, max(nodes))).build_tree
+                for m in methods if m != "ar"}
+    kw = dict(methods=methods, nodes=nodes, contexts=contexts, reps=args.reps, progress=True, tree_builders=builders)
     if args.target == "smollm2-arch":  # random weights: never cache under a real model's key
         cost = measure_cost_model(loaded.target, drafter, **kw)
     else:

@@ -127,8 +127,9 @@ def cache_dir(tmp_path, monkeypatch):
 def test_measure_cost_model_tiny(cache_dir):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
-    cost = costmod.measure_cost_model(target, drafter, methods=["ddtree", "dartree"], nodes=[0, 2, 8],
-                                      contexts=[8, 32], reps=1, decoder_kwargs=dict(width=4, K=8))
+    builders = {m: SpeculativeDecoder(target, drafter, m, budget=8, width=4, K=8).build_tree for m in ("ddtree", "dartree")}
+    cost = costmod.measure_cost_model(target, drafter, methods=["ddtree", "dartree", "chain"], nodes=[0, 2, 8],
+                                      contexts=[8, 32], reps=1, tree_builders=builders)
     assert cost.nodes == [0, 2, 8] and cost.contexts == [8, 32]
     for row in cost.verify_ms:
         assert all(b >= a > 0 for a, b in zip(row, row[1:]))
@@ -138,7 +139,7 @@ def test_measure_cost_model_tiny(cache_dir):
 def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
     calls = []
 
-    def fake_measure(target, drafter, methods, nodes, contexts, reps, progress, decoder_kwargs):
+    def fake_measure(target, drafter, methods, nodes, contexts, reps, progress, tree_builders):
         calls.append(torch.get_num_threads())
         return CostModel(nodes=list(nodes), contexts=list(contexts),
                          verify_ms=[[1.0 + n for n in nodes] for _ in contexts])

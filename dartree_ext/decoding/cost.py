@@ -25,13 +25,14 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
+TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
 
@@ -328,16 +329,18 @@ class _Timer:
 def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
                        methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
                        contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, progress: bool = False,
-                       decoder_kwargs: dict | None = None) -> CostModel:
+                       tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
     """Time this machine: the target forward over root + ``n`` nodes (an additive tree mask, a
     cache of each context length, hidden states out, as a decoding round runs it), the drafter
-    pass and each method's tree construction. Repetitions are interleaved over the points (the
-    machine's speed drifts) and the median kept; the curve is then made non-decreasing."""
+    pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
+    vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
+    at ``max(nodes)`` nodes; methods without a builder get no tree time). Repetitions are
+    interleaved over the points (the machine's speed drifts) and the median kept; the curve is then
+    made non-decreasing."""
     from transformers import DynamicCache
 
     from .. import ops
     from ..models.eagle3 import Eagle3Drafter
-    from .decoder import SpeculativeDecoder
 
     if isinstance(drafter, Eagle3Drafter):
         raise ValueError("the cost model times block drafters; the EAGLE-3 methods take a fixed budget")
@@ -407,14 +410,12 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
         draft()
         draft_ms = statistics.median(timer(draft) for _ in range(reps))
         for method in methods:
-            if method == "ar":
+            build = (tree_builders or {}).get(method)
+            if method == "ar" or build is None:
                 continue
-            kw = dict(decoder_kwargs or {})
-            kw["budget"] = max(1, max(nodes))
-            dec = SpeculativeDecoder(target, drafter, method, **kw)
-            dec.build_tree(out.hidden, out.base_logits, root, out.vocab)
+            build(out.hidden, out.base_logits, root, out.vocab)
             tree_ms[method] = statistics.median(
-                timer(lambda: dec.build_tree(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
+                timer(lambda: build(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
     meta = {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "reps": reps,
             "threads": torch.get_num_threads() if device.type == "cpu" else 0, "torch": torch.__version__,
             "bf16_native": cpu_bf16_native() if device.type == "cpu" else None,
@@ -425,7 +426,7 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
 def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
                       methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, refresh: bool = False,
-                      progress: bool = False, decoder_kwargs: dict | None = None) -> CostModel:
+                      progress: bool = False, tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
     """:func:`measure_cost_model`, measured once per key (:func:`cost_key`) and kept in
     ``$DARTREE_CACHE/cost/`` (default ``~/.cache/dartree_ext/cost``); ``refresh=True`` re-measures."""
     device = next(target.parameters()).device
@@ -439,7 +440,7 @@ def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None =
         except (OSError, ValueError, TypeError, KeyError) as e:
             log.warning("ignoring an unreadable cost model %s (%s)", path, e)
     log.info("measuring the cost model for %s on %s (once; cached in %s)", key["dtype"], key["device"], path)
-    model = measure_cost_model(target, drafter, methods, nodes, contexts, reps, progress, decoder_kwargs)
+    model = measure_cost_model(target, drafter, methods, nodes, contexts, reps, progress, tree_builders)
     model.meta["key"] = key
     model.save(path)
     return model

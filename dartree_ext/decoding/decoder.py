@@ -594,7 +594,7 @@ class SpeculativeDecoder:
         if self.auto and self.cost_model is None:
             self.cost_model = cached_cost_model(
                 self.target, self.drafter, methods=[self.method], progress=True,
-                decoder_kwargs=dict(width=self.width, K=self.K, depth_bonus=self.depth_bonus))
+                tree_builders={self.method: self.build_tree})  # auto: built at max_budget nodes
 
     # generation -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -42,8 +42,29 @@ def default_target_layers(num_target_layers: int, count: int = 3) -> tuple[int, 
     return tuple(sorted({round(1 + j * (hi - 1) / (count - 1)) for j in range(count)}))
 
 
+class DrafterConfigBase:
+    """What the drafter configs share: the attention sizes' defaults and checks, and ``to_dict``."""
+
+    def _check_common(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 2 * self.hidden_size
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    def _bad_layer_ids(self) -> list[int]:
+        return [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+
 @dataclasses.dataclass
-class BlockDrafterConfig:
+class BlockDrafterConfig(DrafterConfigBase):
     """Sizes of a drafter and of the target it was built for."""
 
     vocab_size: int
@@ -64,18 +85,11 @@ class BlockDrafterConfig:
     root_in_masks: bool = False            # add the root token's embedding to every mask position
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_heads
-        if self.intermediate_size is None:
-            self.intermediate_size = 2 * self.hidden_size
+        self._check_common()
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (a root and at least one drafted position), got "
                              f"{self.block_size}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_layers]
-        if not self.target_layer_ids or bad:
+        if not self.target_layer_ids or self._bad_layer_ids():
             raise ValueError(f"target_layer_ids must index the target's hidden_states (0..{self.target_num_layers}), "
                              f"got {self.target_layer_ids}")
 
@@ -83,11 +97,6 @@ class BlockDrafterConfig:
     def draft_depth(self) -> int:
         """Positions drafted per pass (D - 1)."""
         return self.block_size - 1
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
 
 
 def _target_sizes(target: nn.Module) -> tuple[int, int, int, str]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .drafter import AttentionMLPLayer, RMSNorm, TargetAttached, VerificationHead, _rope, _target_sizes, check_draft_vocab
+from .drafter import AttentionMLPLayer, DrafterConfigBase, RMSNorm, TargetAttached, VerificationHead, _rope, _target_sizes, check_draft_vocab
 
 EAGLE3_CONFIG_NAME = "eagle3_drafter.json"
 EAGLE3_DECAY_GAMMA = 1.0 / math.log(1.25)   # exp(-(k - 1) / gamma) = 0.8 ** (k - 1): EAGLE-3's step weights
@@ -45,7 +45,7 @@ def eagle3_target_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass
-class Eagle3DrafterConfig:
+class Eagle3DrafterConfig(DrafterConfigBase):
     """Sizes of an EAGLE-3 drafter and of the target it was built for."""
 
     vocab_size: int
@@ -62,17 +62,10 @@ class Eagle3DrafterConfig:
     target_model_type: str = ""
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_heads
-        if self.intermediate_size is None:
-            self.intermediate_size = 2 * self.hidden_size
+        self._check_common()
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.target_num_layers]
-        if len(self.target_layer_ids) != 3 or bad:
+        if len(self.target_layer_ids) != 3 or self._bad_layer_ids():
             raise ValueError(f"target_layer_ids must be three indices (low, middle, high) into the target's "
                              f"hidden_states (0..{self.target_num_layers}), got {self.target_layer_ids}")
 
@@ -84,11 +77,6 @@ class Eagle3DrafterConfig:
     @property
     def draft_depth(self) -> int:
         return self.num_steps
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
 
 
 class Eagle3Layer(AttentionMLPLayer):
