@@ -82,6 +82,7 @@ class Runner:
         self.split, self.hist, self.depth_nodes = Counter(), Counter(), Counter()
         self.nodes, self.taus, self.outputs = [], [], []
         self.peak = 0.0
+        self.plain, self.auto = 0, Counter()  # budget="auto": plain rounds; prediction vs measurement
 
     def step(self, g: int, group: list[list[int]]) -> None:
         ids, mask = left_pad(group)
@@ -102,6 +103,9 @@ class Runner:
         self.hist.update(a for r in st.requests for a in r.accepted)
         self.depth_nodes.update(st.nodes_per_depth)
         self.split.update(st.time)
+        self.plain += st.plain_rounds
+        self.auto.update(rounds=st.auto_rounds, predicted_tokens=st.predicted_tokens, predicted_ms=st.predicted_ms,
+                         measured_tokens=st.measured_tokens, measured_ms=st.measured_ms)
         self.outputs.append([out.sequences[b, ids.shape[1]:ids.shape[1] + r.new_tokens].tolist()
                              for b, r in enumerate(st.requests)])
 
@@ -116,6 +120,7 @@ class Runner:
                     split={k: v / max(1e-12, sum(split.values())) for k, v in split.items()},
                     accept_hist={int(k): v for k, v in sorted(self.hist.items())},
                     nodes_per_depth={int(k): v / max(1, rounds) for k, v in sorted(self.depth_nodes.items())},
+                    plain_rounds=self.plain, auto_check=dict(self.auto) if self.auto.get("rounds") else None,
                     peak_mib=self.peak if self.device == "cuda" else None, outputs=self.outputs)
 
 

@@ -214,6 +214,14 @@ def test_auto_budget_lossless_with_long_paths(setup, method):
     assert out.stats.tau > 2.0 and out.stats.plain_rounds == 0
     assert max(out.stats.tree_nodes) <= 24
     assert dec.calibrator.trials.sum() > 0
+    # the chooser's prediction is recorded beside what each round gave and took
+    st = out.stats
+    assert 0 < st.auto_rounds <= st.rounds                  # (request rounds: rows x batch rounds)
+    assert st.measured_tokens == sum(sum(r.accepted) for r in st.requests) + st.rounds
+    assert st.rounds < st.predicted_tokens <= st.rounds * 25
+    rounds = st.auto_rounds
+    assert 10.1 * rounds <= st.predicted_ms <= 10.6 * rounds + 1e-6   # verify 10-10.5 + draft 0.1, no overhead
+    assert st.measured_ms > 0 and st.summary()["auto_check"]["rounds"] == rounds
 
 
 @pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])

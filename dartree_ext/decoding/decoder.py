@@ -87,6 +87,14 @@ class DecodingStats:
     tree_nodes: list[int] = dataclasses.field(default_factory=list)   # draft nodes per verified tree
     nodes_per_depth: Counter = dataclasses.field(default_factory=Counter)
     plain_rounds: int = 0                   # budget="auto": rounds verified without a draft (n = 0)
+    # budget="auto", over the rounds that verified draft nodes: what the chooser predicted
+    # (tokens: rows + E[accepted]; ms: the cost model's round plus the measured overhead) and
+    # what the rounds gave and took
+    auto_rounds: int = 0                    # batch rounds (all rows verify together)
+    predicted_tokens: float = 0.0
+    predicted_ms: float = 0.0
+    measured_tokens: int = 0
+    measured_ms: float = 0.0
     lookup_rounds: int = 0                  # rows x rounds that verified a context-lookup continuation
     lookup_accepted: int = 0                # tokens accepted along those continuations
 
@@ -131,6 +139,9 @@ class DecodingStats:
             "time_split": {k: round(v / total, 4) if total else 0.0 for k, v in self.time.items()},
             "accept_histogram": self.accept_histogram(),
             "plain_rounds": self.plain_rounds,
+            "auto_check": {"rounds": self.auto_rounds, "predicted_tokens": round(self.predicted_tokens, 2),
+                           "measured_tokens": self.measured_tokens, "predicted_ms": round(self.predicted_ms, 2),
+                           "measured_ms": round(self.measured_ms, 2)} if self.auto_rounds else None,
             "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
         }
 
@@ -557,6 +568,15 @@ class SpeculativeDecoder:
             tree = prune(tree, n)
         return tree, n
 
+    def _predict_round(self, state: _Batch, tree: Tree, drafted: bool) -> tuple[float, float]:
+        """What the chooser expects of this round: (tokens, ms) for the tree about to be verified."""
+        cost, rows = self.cost_model, tree.tokens.shape[0]
+        overhead = cost.overhead_ms if cost.overhead_ms is not None else (self._overhead_ms or 0.0)
+        ms = cost.verify(rows * tree.tokens.shape[1] - 1, state.cache_len) + overhead
+        if drafted:
+            ms += cost.draft_ms + cost.tree(self.method)
+        return rows + self._chosen_expected, ms
+
     def _draft_depth(self, full: int) -> int:
         """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
         chosen in the last rounds (all of them until 4 rounds have been seen), so the search
@@ -623,17 +643,26 @@ class SpeculativeDecoder:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(prompts) * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
         while state.rows:
+            round_start = time.perf_counter()
             state.begin_round(self._cache_length(state.cache))
             draft = self._draft(run, state)
             tree, chosen = self._tree(run, state, draft)
+            predicted = self._predict_round(state, tree, draft is not None) if self.auto and tree.tokens.shape[1] > 1 else None
             verdict = self._verify(run, state, tree)
             start = time.perf_counter()
             self._commit(run, state, tree, verdict, chosen, draft)
             self._retire(run, state, tree, verdict, chosen)
             if bar is not None:
                 bar.update(sum(verdict.accepted) + len(verdict.accepted))
-            spent = 1e3 * (run.tick("bookkeeping") - start)
+            end = run.tick("bookkeeping")
+            spent = 1e3 * (end - start)
             self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
+            if predicted is not None:
+                run.stats.auto_rounds += 1
+                run.stats.predicted_tokens += predicted[0]
+                run.stats.predicted_ms += predicted[1]
+                run.stats.measured_tokens += sum(verdict.accepted) + len(verdict.accepted)
+                run.stats.measured_ms += 1e3 * (end - round_start)
         if bar is not None:
             bar.close()
         return GenerationOutput(sequences=run.sequences(input_ids), stats=run.stats)
@@ -778,7 +807,7 @@ class SpeculativeDecoder:
         num = tree.num_nodes.tolist()
         probs = [self.lookup_stats.path_probs(n, len(c)) if c else [] for c, n in zip(chains, ngrams)]
         expected = rows + self._chosen_expected
-        best_steps, best_rate = 0, expected / (fixed + cost.verify(rows * base_width - 1, context))
+        best_steps, best_rate, best_expected = 0, expected / (fixed + cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
             for b, c in enumerate(chains):
                 if d <= len(c) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):
@@ -787,7 +816,8 @@ class SpeculativeDecoder:
                                         for b in range(rows)))
             rate = expected / (fixed + cost.verify(rows * width - 1, context))
             if rate > best_rate * (1 + 1e-9):
-                best_steps, best_rate = d, rate
+                best_steps, best_rate, best_expected = d, rate, expected
+        self._chosen_expected = best_expected - rows  # the round's prediction now includes the graft
         return best_steps
 
     def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
