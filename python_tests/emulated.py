@@ -39,6 +39,7 @@ _SIGNATURES = {
     "emu_block_sum": [_P, _I, _I, _I, _P],
     "emu_warp_primitives": [_P, _I, _P, _P, _P, _P],
     "emu_divergent_barrier": [_P],
+    "emu_racy": [_I, _I, _P],
     "emu_exit_then_barrier": [_P],
     "emu_block_order": [_I, _P, _P],
     "emu_exit_then_shuffle": [_P],
@@ -161,6 +162,8 @@ class EmulatedOps:
         self.lib.emu_kernel_traffic.restype = ctypes.c_char_p
         self.lib.emu_reset_kernel_traffic.restype = None
         self.lib.emu_instrumented.restype = ctypes.c_int
+        self.lib.emu_set_race_detection.restype = None
+        self.lib.emu_set_race_detection.argtypes = [_I]
         if bool(self.lib.emu_instrumented()) != instrumented:
             raise RuntimeError("the emulation library's build does not match `instrumented`")
         self.lib.emu_struct_sizes.restype = ctypes.c_size_t
@@ -169,6 +172,11 @@ class EmulatedOps:
             if self.lib.emu_struct_sizes(which) != ctypes.sizeof(mirror):
                 raise RuntimeError(f"ctypes mirror {mirror.__name__} does not match csrc/kernels/launchers.h")
         self.set_schedule(schedule, seed)
+
+    def set_race_detection(self, on: bool) -> None:
+        """The instrumented build's data-race detection (on by default): two threads touching a
+        byte, one of them writing, with no barrier between them is an error."""
+        self.lib.emu_set_race_detection(int(on))
 
     def set_schedule(self, schedule: int, seed: int = 0) -> None:
         self.call("emu_set_schedule", schedule, seed)

@@ -121,7 +121,7 @@ __global__ void shared_write_kernel(int where, int offset, int32_t* out) {
     else s_static[offset] = 7;
   }
   __syncthreads();
-  out[threadIdx.x] = 1;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1;
 }
 
 // Each block appends its index to `order` (one thread per block): the order blocks ran in.
@@ -136,11 +136,45 @@ __global__ void copy_prefix_kernel(const int32_t* values, int count, int extra, 
   if (i < count + extra) out[i] = values[i];
 }
 
-// Writes 1 per thread; for launches of any shape.
+// Thread 0 of each block writes shared memory; block 0's writes out[0]. For launches of any shape.
 __global__ void touch_kernel(int32_t* out) {
   DARTREE_DYNAMIC_SHARED(int32_t, s);
-  s[0] = 1;
-  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) out[0] = s[0];
+  const bool first = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+  if (first) s[0] = 1;
+  if (first && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) out[0] = s[0];
+}
+
+// Deliberately racy kernels for the race detector's self-test (`kind`):
+// 0: every thread adds to one shared counter without a barrier (read-write race on shared memory);
+// 1: thread 0 writes shared memory, thread 33 (another warp) reads it with no __syncthreads;
+// 2: the same with the __syncthreads (clean);
+// 3: lane 0 writes shared memory, lane 1 of the same warp reads it after a __syncwarp (clean);
+// 4: the same without the __syncwarp (a race: lanes of one warp are not in lockstep);
+// 5: every block writes out[0] (a global write-write race between blocks);
+// 6: each thread writes its own bf16-sized half of a word (clean: bytes, not words, conflict);
+// 7: thread 0 reads one int past the shared array (out of bounds, not a race).
+__global__ void racy_kernel(int kind, int32_t* out) {
+  DARTREE_SHARED_ARRAY(int32_t, s, 64);
+  const int t = static_cast<int>(threadIdx.x);
+  if (t == 0) s[0] = 0;
+  __syncthreads();
+  switch (kind) {
+    case 0: s[0] += 1; break;
+    case 1: case 2:
+      if (t == 0) s[1] = 5;
+      if (kind == 2) __syncthreads();
+      if (t == 33) out[0] = s[1];
+      break;
+    case 3: case 4:
+      if (t == 0) s[2] = 7;
+      if (kind == 3) __syncwarp();
+      if (t == 1) out[1] = s[2];
+      break;
+    case 5: if (t == 0) out[0] = static_cast<int32_t>(blockIdx.x); break;
+    case 6: reinterpret_cast<int16_t*>(out)[blockIdx.x * blockDim.x + t] = static_cast<int16_t>(t); break;
+    case 7: if (t == 0) out[0] = s[64]; break;
+    default: break;
+  }
 }
 
 }  // namespace
@@ -248,6 +282,17 @@ int emu_launch_shape(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigne
   return guarded([&] {
     DARTREE_LAUNCH(touch_kernel, dim3(gx, gy, gz), dim3(bx, by, bz), static_cast<size_t>(shared_bytes), nullptr, out);
   });
+}
+
+int emu_racy(int kind, int blocks, int32_t* out) {
+  return guarded([&] { DARTREE_LAUNCH(racy_kernel, dim3(blocks), dim3(64), 0, nullptr, kind, out); });
+}
+
+// Data-race detection of the instrumented build: on (default) or off.
+void emu_set_race_detection(int on) {
+  dartree_emu::Runtime& rt = dartree_emu::runtime();
+  std::lock_guard<std::mutex> lock(rt.launch_mutex);
+  rt.races.enabled = on != 0;
 }
 
 int emu_divergent_barrier(int32_t* out) {

@@ -17,7 +17,11 @@
 // load and store of kernel code reports its address: accesses outside the emulator's own memory
 // (fiber stacks, shared memory, the runtime's bookkeeping, the host stack, the library image) are
 // global memory, counted per kernel and, when the caller registered its tensors' byte ranges,
-// checked against them (GlobalMemory below; the callbacks are in emu_ops.cpp).
+// checked against them (GlobalMemory below; the callbacks are in emu_ops.cpp). The same build
+// detects data races (RaceDetector below): two threads touching a byte of shared or global memory,
+// at least one of them writing, with no barrier between them (__syncthreads; a warp collective for
+// two lanes of one warp) is an error, and so is any such pair from two blocks of one launch.
+// Atomics are exempt.
 //
 // Include this header before csrc/kernels/common.cuh. Launches from one OS thread at a time.
 #pragma once
@@ -115,6 +119,51 @@ struct OutOfBoundsAccess {
   dim3 block, thread;
 };
 
+// Race detection (instrumented build). Every byte of shared memory keeps a stamp of its last write
+// and its last read; every byte of global memory, of its last write (global reads are not
+// stamped: a read by one thread and a later write by another are seen when the shuffled schedule
+// runs the write first, which is also a legal CUDA order). Two accesses are ordered when one
+// thread made both, or a __syncthreads was released between them in their block, or the two
+// threads are lanes of one warp and a warp collective of that warp was released between them.
+// Accesses of different blocks of one launch are never ordered. Stamps of an earlier block
+// (shared) or launch (global) do not count: `generation` tells them apart.
+struct AccessStamp {
+  uint32_t generation = 0;  // 0: never accessed
+  uint32_t block = 0;       // linear block index
+  uint32_t thread = 0;      // linear thread index in the block
+  uint32_t epoch = 0;       // the block's released __syncthreads at the access
+  uint32_t warp_epoch = 0;  // the thread's warp's released collectives at the access
+};
+
+struct SharedShadow {
+  std::vector<AccessStamp> writes, reads;  // one per payload byte
+};
+
+struct DataRace {
+  bool found = false;
+  bool shared = false, write = false, earlier_write = false;
+  size_t offset = 0;        // shared: byte of the array; global: the address
+  int array = 0;            // shared: 0 the dynamic shared memory, else a static array
+  uint32_t block = 0, thread = 0, earlier_block = 0, earlier_thread = 0;
+};
+
+constexpr size_t kGlobalShadowPageBytes = 4096;
+
+struct RaceDetector {
+  bool enabled = true;
+  bool in_atomic = false;             // inside an emulated atomic: exempt
+  uint32_t launch_generation = 0;     // global stamps
+  uint32_t block_generation = 0;      // shared stamps
+  uint32_t block_linear = 0;
+  uint32_t block_epoch = 0;
+  std::vector<uint32_t> warp_epochs;  // per warp of the block
+  SharedShadow dynamic_shadow;
+  std::vector<SharedShadow> static_shadows;  // parallel to Runtime::static_shared
+  std::map<uintptr_t, std::unique_ptr<AccessStamp[]>> global_pages;  // write stamps, per 4 KiB page
+  DataRace race;                      // the launch's first
+  std::string shared_out_of_bounds;   // the launch's first shared access into a guard zone
+};
+
 // Global-memory accounting. Launches are counted in every build; bytes and bounds only in the
 // instrumented one, whose callbacks see kernel code's loads and stores while `in_kernel` is set
 // (host code of the launchers and the scheduler is not the kernel's traffic).
@@ -158,6 +207,7 @@ struct Runtime {
   std::mt19937_64 rng{0};
   std::vector<unsigned> order;
   GlobalMemory memory;
+  RaceDetector races;
 };
 
 // A namespace-scope object, not a function-local static: its accesses from kernel code need no
@@ -209,6 +259,7 @@ inline bool release_barriers(Runtime& rt) {
     }
     for (Fiber& f : rt.fibers)
       if (f.state == FiberState::kAtBlockBarrier) f.state = FiberState::kReady;
+    ++rt.races.block_epoch;
     released = true;
   }
   for (size_t base = 0; base < n; base += kWarpSize) {
@@ -243,6 +294,7 @@ inline bool release_barriers(Runtime& rt) {
       }
       for (size_t i = base; i < end; ++i)
         if (rt.fibers[i].state == FiberState::kAtWarpBarrier) rt.fibers[i].state = FiberState::kReady;
+      ++rt.races.warp_epochs[base / kWarpSize];
       released = true;
     }
   }
@@ -285,15 +337,127 @@ DARTREE_EMU_HOT const AddressRange* registered_range(const GlobalMemory& memory,
   return candidate.holds(address, bytes) ? &candidate : nullptr;
 }
 
+// Whether an earlier access (its stamp) happens before the current thread's access.
+DARTREE_EMU_HOT bool happens_before(const RaceDetector& d, const AccessStamp& earlier, uint32_t thread) {
+  if (earlier.block != d.block_linear) return false;  // two blocks of one launch: never ordered
+  if (earlier.thread == thread || earlier.epoch < d.block_epoch) return true;
+  return earlier.thread / kWarpSize == thread / kWarpSize &&
+         earlier.warp_epoch < d.warp_epochs[thread / kWarpSize];
+}
+
+DARTREE_EMU_HOT AccessStamp stamp_now(const RaceDetector& d, uint32_t generation, uint32_t thread) {
+  return {generation, d.block_linear, thread, d.block_epoch, d.warp_epochs[thread / kWarpSize]};
+}
+
+// An access to shared memory (payload bytes of the dynamic array, index 0, or of a static one):
+// checked against the bytes' last write and, for a write, last read; then stamped.
+inline void shared_race_check(RaceDetector& d, SharedShadow& shadow, int array, size_t offset, size_t bytes,
+                              bool write, uint32_t thread) {
+  const AccessStamp now = stamp_now(d, d.block_generation, thread);
+  const size_t end = std::min(offset + bytes, shadow.writes.size());
+  for (size_t i = offset; i < end; ++i) {
+    AccessStamp& last_write = shadow.writes[i];
+    AccessStamp& last_read = shadow.reads[i];
+    if (!d.race.found) {
+      const AccessStamp* earlier = nullptr;
+      bool earlier_write = true;
+      if (last_write.generation == now.generation && !happens_before(d, last_write, thread)) {
+        earlier = &last_write;
+      } else if (write && last_read.generation == now.generation && !happens_before(d, last_read, thread)) {
+        earlier = &last_read;
+        earlier_write = false;
+      }
+      if (earlier)
+        d.race = {true, true, write, earlier_write, i, array, now.block, thread, earlier->block, earlier->thread};
+    }
+    (write ? last_write : last_read) = now;
+  }
+}
+
+// Shared memory: race-checked here (returns true); anything else returns false.
+inline bool shared_access(Runtime& rt, uintptr_t address, size_t bytes, bool write, bool check) {
+  auto payload_offset = [&](const std::vector<unsigned char>& region, size_t& offset) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(region.data());
+    if (address < begin || address >= begin + region.size()) return false;
+    offset = address - begin;
+    return true;
+  };
+  size_t offset = 0;
+  SharedShadow* shadow = nullptr;
+  int array = 0;
+  if (payload_offset(rt.dynamic_shared, offset)) {
+    shadow = &rt.races.dynamic_shadow;
+  } else {
+    for (size_t a = 0; a < rt.static_shared.size() && !shadow; ++a)
+      if (payload_offset(rt.static_shared[a].bytes, offset) && a < rt.races.static_shadows.size())
+        shadow = &rt.races.static_shadows[a], array = static_cast<int>(a) + 1;
+    if (!shadow) return false;
+  }
+  const std::vector<unsigned char>& region = array == 0 ? rt.dynamic_shared : rt.static_shared[array - 1].bytes;
+  const size_t payload = region.size() - 2 * kSharedGuardBytes;
+  if (offset < kSharedGuardBytes || offset + bytes > kSharedGuardBytes + payload) {  // a guard zone
+    if (rt.races.shared_out_of_bounds.empty() && rt.current) {
+      const long long at = static_cast<long long>(offset) - static_cast<long long>(kSharedGuardBytes);
+      rt.races.shared_out_of_bounds =
+          std::string("shared memory ") + (write ? "write" : "read") + " out of bounds in " + rt.kernel_name +
+          ": byte " + std::to_string(at) + " of " +
+          (array == 0 ? "the dynamic shared memory" : "a static shared array") + " (" + std::to_string(payload) + " bytes), thread " + std::to_string(rt.current->linear) + " of block " +
+          std::to_string(rt.races.block_linear);
+    }
+    return true;
+  }
+  if (check) shared_race_check(rt.races, *shadow, array, offset - kSharedGuardBytes, bytes, write, rt.current->linear);
+  return true;
+}
+
+// An access to global memory: checked against the bytes' last write in this launch; a write is stamped.
+inline void global_race_check(RaceDetector& d, uintptr_t address, size_t bytes, bool write, uint32_t thread) {
+  const AccessStamp now = stamp_now(d, d.launch_generation, thread);
+  for (uintptr_t a = address; a < address + bytes; ++a) {
+    const uintptr_t page = a / kGlobalShadowPageBytes;
+    auto it = d.global_pages.find(page);
+    if (it == d.global_pages.end()) {
+      if (!write) continue;  // not written in this launch
+      it = d.global_pages.emplace(page, std::make_unique<AccessStamp[]>(kGlobalShadowPageBytes)).first;
+    }
+    AccessStamp& last_write = it->second[a % kGlobalShadowPageBytes];
+    if (!d.race.found && last_write.generation == now.generation && !happens_before(d, last_write, thread))
+      d.race = {true, false, write, true, a, 0, now.block, thread, last_write.block, last_write.thread};
+    if (write) last_write = now;
+  }
+}
+
 // One access of kernel code, from the instrumented build's callbacks (which clear `in_kernel`
 // around it, so anything here that is itself instrumented does not recurse).
 DARTREE_EMU_HOT void record_access(Runtime& rt, const void* pointer, size_t bytes, bool write) {
   GlobalMemory& memory = rt.memory;
   const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+  const bool racing = rt.races.enabled && !rt.races.in_atomic && rt.current != nullptr;
+  if (shared_access(rt, address, bytes, write, racing)) return;
   if (emulator_owned(rt, address, bytes)) return;
   (write ? memory.launch.write_bytes : memory.launch.read_bytes) += bytes;
   if (memory.checking && !memory.out_of_bounds.found && !registered_range(memory, address, bytes))
     memory.out_of_bounds = {true, write, address, bytes, rt.block_idx, rt.current ? rt.current->thread_idx : dim3()};
+  if (racing) global_race_check(rt.races, address, bytes, write, rt.current->linear);
+}
+
+inline std::string hex_address(uintptr_t address);
+
+// The error for the launch's first data race.
+inline std::string race_message(const Runtime& rt) {
+  const DataRace& r = rt.races.race;
+  const std::string who = "thread " + std::to_string(r.thread) + " of block " + std::to_string(r.block);
+  const std::string what = r.shared ? "byte " + std::to_string(r.offset) + " of " +
+                                          (r.array == 0 ? std::string("the dynamic shared memory")
+                                                        : "static shared array " + std::to_string(r.array - 1))
+                                    : "global memory at " + hex_address(r.offset);
+  const std::string other = r.earlier_block == r.block
+                                ? "thread " + std::to_string(r.earlier_thread) + " of the same block"
+                                : "thread " + std::to_string(r.earlier_thread) + " of block " +
+                                      std::to_string(r.earlier_block) + " (blocks of one launch are unordered)";
+  return std::string("data race in ") + rt.kernel_name + ": " + who + (r.write ? " writes " : " reads ") + what +
+         ", which " + other + (r.earlier_write ? " wrote" : " read") +
+         " with no barrier between them (__syncthreads, or a warp collective between lanes of one warp)";
 }
 
 inline std::string hex_address(uintptr_t address) {
@@ -390,6 +554,11 @@ inline void run_block(Runtime& rt) {
     rt.stack_arena_threads = nthreads;
   }
   rt.exchange.assign(nthreads, 0);
+  RaceDetector& races = rt.races;
+  ++races.block_generation;
+  races.block_linear = rt.block_idx.x + rt.grid.x * (rt.block_idx.y + rt.grid.y * rt.block_idx.z);
+  races.block_epoch = 0;
+  races.warp_epochs.assign((nthreads + kWarpSize - 1) / kWarpSize, 0);
   for (auto* region : shared_regions(rt)) {
     std::memset(region->data(), kSharedCanary, region->size());
     std::memset(region->data() + kSharedGuardBytes, kSharedPoison, region->size() - 2 * kSharedGuardBytes);
@@ -469,6 +638,13 @@ inline void launch_closure(dim3 grid, dim3 block, size_t dynamic_shared_bytes, c
   rt.memory.out_of_bounds = OutOfBoundsAccess{};
   rt.dynamic_shared.assign(dynamic_shared_bytes + 2 * kSharedGuardBytes, kSharedPoison);
   rt.static_shared.clear();
+  rt.races.race = DataRace{};
+  rt.races.shared_out_of_bounds.clear();
+  ++rt.races.launch_generation;
+  rt.races.global_pages.clear();
+  rt.races.static_shadows.clear();
+  rt.races.dynamic_shadow.writes.assign(dynamic_shared_bytes, AccessStamp{});
+  rt.races.dynamic_shadow.reads.assign(dynamic_shared_bytes, AccessStamp{});
   rt.static_shared_bytes = 0;
   rt.error.clear();
   // blocks run one after another, in index order, or in a shuffled order under the shuffled
@@ -492,6 +668,9 @@ inline void launch_closure(dim3 grid, dim3 block, size_t dynamic_shared_bytes, c
   total.read_bytes += rt.memory.launch.read_bytes;
   total.write_bytes += rt.memory.launch.write_bytes;
   if (rt.error.empty() && rt.memory.out_of_bounds.found) rt.error = out_of_bounds_message(rt);
+  if (!rt.races.shared_out_of_bounds.empty()) rt.error = rt.races.shared_out_of_bounds;  // before its canary
+  if (rt.error.empty() && rt.races.race.found) rt.error = race_message(rt);
+  rt.races.global_pages.clear();
   if (!rt.error.empty()) throw std::runtime_error("emulated kernel failed: " + rt.error);
 }
 
@@ -526,6 +705,9 @@ T* static_shared_array(const void* key, size_t count) {
     std::memset(bytes.data(), kSharedCanary, kSharedGuardBytes);
     std::memset(bytes.data() + bytes.size() - kSharedGuardBytes, kSharedCanary, kSharedGuardBytes);
     rt.static_shared.push_back(StaticShared{key, std::move(bytes)});
+    rt.races.static_shadows.emplace_back();
+    rt.races.static_shadows.back().writes.assign(sizeof(T) * count, AccessStamp{});
+    rt.races.static_shadows.back().reads.assign(sizeof(T) * count, AccessStamp{});
     it = rt.static_shared.end() - 1;
     rt.memory.in_kernel = true;
   }
@@ -563,6 +745,23 @@ T warp_exchange(T value, SourceLane source_lane, unsigned mask) {
 #define warpSize 32
 
 inline void __syncthreads() { ::dartree_emu::block_barrier(); }
+namespace dartree_emu {
+// __syncthreads_or / _and / _count: every thread publishes its predicate, the block meets, each
+// reads all of them, and the block meets again before the slots can be reused.
+inline int block_vote(int predicate, int kind) {
+  Runtime& rt = runtime();
+  rt.exchange[self().linear] = predicate != 0;
+  block_barrier();
+  int count = 0;
+  for (uint64_t v : rt.exchange) count += static_cast<int>(v);
+  block_barrier();
+  const int threads = static_cast<int>(rt.exchange.size());
+  return kind == 0 ? count > 0 : kind == 1 ? count == threads : count;
+}
+}  // namespace dartree_emu
+inline int __syncthreads_or(int predicate) { return ::dartree_emu::block_vote(predicate, 0); }
+inline int __syncthreads_and(int predicate) { return ::dartree_emu::block_vote(predicate, 1); }
+inline int __syncthreads_count(int predicate) { return ::dartree_emu::block_vote(predicate, 2); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::dartree_emu::warp_barrier(mask); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
@@ -636,15 +835,35 @@ inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_ca
 template <typename T>
 T __ldg(const T* p) { return *p; }
 
-// Fibers never run concurrently, so a plain read-modify-write is atomic.
-template <typename T> T atomicAdd(T* a, T v) { T old = *a; *a = old + v; return old; }
-template <typename T> T atomicSub(T* a, T v) { T old = *a; *a = old - v; return old; }
-template <typename T> T atomicMin(T* a, T v) { T old = *a; *a = v < old ? v : old; return old; }
-template <typename T> T atomicMax(T* a, T v) { T old = *a; *a = v > old ? v : old; return old; }
-template <typename T> T atomicExch(T* a, T v) { T old = *a; *a = v; return old; }
-template <typename T> T atomicOr(T* a, T v) { T old = *a; *a = old | v; return old; }
-template <typename T> T atomicAnd(T* a, T v) { T old = *a; *a = old & v; return old; }
-template <typename T> T atomicCAS(T* a, T compare, T v) { T old = *a; if (old == compare) *a = v; return old; }
+// Fibers never run concurrently, so a plain read-modify-write is atomic. The race detector
+// exempts it.
+namespace dartree_emu {
+// The compiler barriers keep the flag's stores around the access (the tracing callbacks are
+// inserted after optimization, which would otherwise drop the first store as dead).
+struct AtomicScope {
+  AtomicScope() {
+    runtime().races.in_atomic = true;
+    asm volatile("" ::: "memory");
+  }
+  ~AtomicScope() {
+    asm volatile("" ::: "memory");
+    runtime().races.in_atomic = false;
+  }
+};
+}  // namespace dartree_emu
+template <typename T> T atomicAdd(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = old + v; return old; }
+template <typename T> T atomicSub(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = old - v; return old; }
+template <typename T> T atomicMin(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = v < old ? v : old; return old; }
+template <typename T> T atomicMax(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = v > old ? v : old; return old; }
+template <typename T> T atomicExch(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = v; return old; }
+template <typename T> T atomicOr(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = old | v; return old; }
+template <typename T> T atomicAnd(T* a, T v) { ::dartree_emu::AtomicScope s; T old = *a; *a = old & v; return old; }
+template <typename T> T atomicCAS(T* a, T compare, T v) {
+  ::dartree_emu::AtomicScope s;
+  T old = *a;
+  if (old == compare) *a = v;
+  return old;
+}
 
 #define DARTREE_SHARED_ARRAY(T, name, count)   \
   static char name##_shared_key_;            \

@@ -70,7 +70,6 @@ __global__ void select_top_b_kernel(const int32_t* parents, const float* scores,
   int* s_index = reinterpret_cast<int*>(s_score);  // aliases s_score after selection
   DARTREE_SHARED_ARRAY(Candidate, s_best, 33);
   DARTREE_SHARED_ARRAY(int, s_scan, 33);
-  DARTREE_SHARED_ARRAY(int, s_monotone, 1);
   const int b = blockIdx.x;
   const int n = sanitized_count(num_nodes[b], n_max);
   const int32_t* row_parents = parents + static_cast<int64_t>(b) * n_max;
@@ -79,15 +78,13 @@ __global__ void select_top_b_kernel(const int32_t* parents, const float* scores,
     s_score[i] = sanitize_score(row_scores[i]);
     s_kept[i] = i == 0 ? 1 : 0;
   }
-  if (threadIdx.x == 0) *s_monotone = 1;
   __syncthreads();
+  int increases = 0;  // a child scored above its parent: the fast path does not apply
   for (int i = 1 + threadIdx.x; i < n; i += blockDim.x) {
     const int p = sanitized_parent(row_parents, i, n);
-    if (p >= 0 && s_score[i] > s_score[p]) *s_monotone = 0;  // benign race: all write 0
+    if (p >= 0 && s_score[i] > s_score[p]) increases = 1;
   }
-  __syncthreads();
-
-  if (*s_monotone) {
+  if (!__syncthreads_or(increases)) {
     for (int i = 1 + threadIdx.x; i < n; i += blockDim.x) {
       const float s = s_score[i];
       int rank = 0;
