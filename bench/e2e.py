@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
+from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tiny", help="'tiny', 'smollm2' or a local HF model directory")
     parser.add_argument("--drafter", default="random",
-                        help="a drafter directory, 'random', 'oracle' (knows ar's outputs), or label=DIR,label=DIR,... to compare drafters")
+                        help="a drafter directory (block or EAGLE-3), 'random', 'random-eagle3', 'oracle' (knows ar's outputs), "
+                             "or label=DIR,label=DIR,... to compare drafters (each method runs with the drafters of its kind)")
     parser.add_argument("--oracle-miss", type=float, default=0.3)
     parser.add_argument("--sets", default="default", help="comma list: default, gsm8k, humaneval, mtbench, or files")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
@@ -298,12 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
     drafters = []
     for label, spec in parse_drafters(args.drafter):
-        path = None if spec in ("random", "oracle") else spec
+        path = None if spec in ("random", "random-eagle3", "oracle") else spec
+        eagle3 = spec == "random-eagle3"
         if args.draft_vocab in ("on", "both"):
-            drafters.append((label, load_drafter(path, target)))
+            drafters.append((label, load_drafter(path, target, eagle3=eagle3)))
         if args.draft_vocab in ("off", "both"):
             drafters.append((f"{label}fullvocab" if args.draft_vocab == "both" else label,
-                             load_drafter(path, target, draft_vocab=False)))
+                             load_drafter(path, target, draft_vocab=False, eagle3=eagle3)))
     oracle = args.drafter == "oracle"
     temps = [float(t) for t in args.temperatures.split(",")]
     base_params = Params(args.budget, args.width, args.K, args.depth_bonus, args.early_exit, args.estimator,
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [encode_prompt(tok, t) for t in texts]
         groups = [prompts] if args.batch else [[p] for p in prompts]
         # warm-up: one-time costs (allocator, first kernel calls) stay out of the figures
-        SpeculativeDecoder(target, drafters[0][1], "dartree").generate(*left_pad(groups[0]), max_new_tokens=4)
+        warm = "dartree" if drafter_fits("dartree", drafters[0][1]) else "eagle3"
+        SpeculativeDecoder(target, drafters[0][1], warm, budget=16).generate(*left_pad(groups[0]), max_new_tokens=4)
         for temperature in temps:
             # every method on a group before any on the next (interleaved against the machine's drift);
             # the oracle drafter needs ar's outputs first
@@ -341,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
                         method, run_params = method_params(spec, params)
                         if method == "lookup" and run_params.lookup == 0:
                             continue  # method lookup is the continuation alone: lookup=0 leaves nothing
+                        if not drafter_fits(method, drafter):
+                            continue  # an EAGLE-3 method with a block drafter, or the other way round
+                        if run_params.budget == "auto" and method not in AUTO_METHODS:
+                            print(f"skipping {spec}{'@' + label if label else ''}: budget='auto' is for "
+                                  f"{', '.join(AUTO_METHODS)}; give it a fixed one ({spec}/budget=16)")
+                            continue
                         runner = Runner(target, drafter, method, run_params, temperature, args.max_new_tokens,
                                         stops, args.device)
                         runner.method = spec

@@ -92,6 +92,18 @@ def test_e2e_bench_compares_drafters_side_by_side(tmp_path, capsys):
     rows = json.load(open(result))
     assert [r["method"] for r in rows] == ["ar", "chain@one", "chain@two"]
     assert [r.get("drafter") for r in rows[1:]] == ["one", "two"]
+    # an EAGLE-3 drafter beside a block drafter: each method runs with the drafters of its kind
+    e3 = tmp_path / "e3"
+    load_drafter(None, target, eagle3=True).save_pretrained(str(e3))
+    code = e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "8", "--width", "4", "--K", "4",
+                     "--methods", "chain,eagle3", "--drafter", f"blk={dirs[0]},e3={e3}", "--json", str(result)])
+    assert code == 0
+    assert [r["method"] for r in json.load(open(result))] == ["ar", "chain@blk", "eagle3@e3"]
+    capsys.readouterr()
+    code = e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "auto", "--methods", "chain,eagle3",
+                     "--drafter", f"blk={dirs[0]},e3={e3}", "--json", str(result)])
+    assert code == 0 and "skipping eagle3@e3: budget='auto'" in capsys.readouterr().out
+    assert [r["method"] for r in json.load(open(result))] == ["ar", "chain@blk"]
     with pytest.raises(SystemExit, match="label=DIR"):
         e2e.parse_drafters("one=,two=x")
     with pytest.raises(SystemExit, match="repeated"):

@@ -175,6 +175,15 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
+def drafter_fits(method: str, drafter) -> bool:
+    """Whether ``method`` decodes with ``drafter``'s kind: the EAGLE-3 methods with an
+    :class:`Eagle3Drafter`, the other drafting methods with a block drafter (``ar`` and ``lookup``
+    with anything)."""
+    if method in DRAFTERLESS or drafter is None:
+        return True
+    return (method in EAGLE3_METHODS) == isinstance(drafter, Eagle3Drafter)
+
+
 def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K: int) -> None:
     """The EAGLE-3 methods take an :class:`Eagle3Drafter` (one width; at most
     ``ops.MAX_TREE_NODES`` drafted nodes a round), the other drafting methods a block drafter."""
