@@ -55,6 +55,18 @@ DARTREE_HOST_DEVICE float to_float(Fp16 v) {
 
 DARTREE_HOST_DEVICE double to_float(double v) { return v; }  // float64 stays float64
 
+// 16 bytes of elements, read with one vector load (ld.global.v4 on the GPU).
+template <typename Elem>
+struct alignas(16) Vec16 {
+  static constexpr int kCount = static_cast<int>(16 / sizeof(Elem));
+  Elem v[kCount];
+};
+DARTREE_HOST_DEVICE bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+template <typename Elem>
+DARTREE_HOST_DEVICE Vec16<Elem> load_vec16(const Elem* p) {  // p must be 16-byte aligned
+  return *reinterpret_cast<const Vec16<Elem>*>(p);
+}
+
 DARTREE_HOST_DEVICE uint32_t float_bits(float f) {
   uint32_t bits;
   memcpy(&bits, &f, sizeof(bits));

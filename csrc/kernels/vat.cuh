@@ -2,9 +2,10 @@
 // dartree_ext/vat.py for the math. Three kernels:
 //  * vat_row_forward  (grid R, one block per row of V logits): one online pass over the draft and
 //    target rows (max / argmax, sum of exp, and sum_i p_i * draft_i for the soft CE, each rescaled
-//    when the running max grows), a block merge in a fixed order (deterministic), then for the
-//    sampling rule an inverse-CDF scan of softmax(draft / T) over the one segment of the row (each
-//    warp reads a contiguous segment) whose mass passes the sample;
+//    when the running max grows; 16-byte vector loads where the rows are aligned), a block merge
+//    in a fixed order (deterministic), then for the sampling rule an inverse-CDF scan of
+//    softmax(draft / T) over the one segment of the row (each warp reads a contiguous segment)
+//    whose mass passes the sample;
 //  * vat_row_backward (grid R): grad = g_q q - g_p p - g_y onehot(y) from the saved logsumexps;
 //  * vat_block_weights (one thread per block of K positions): first rejection and loss weights.
 // Logits are float32, bfloat16, float16 (float32 arithmetic) or float64 (float64 arithmetic).
@@ -170,16 +171,32 @@ __global__ void vat_row_forward_kernel(const Elem* draft, const Elem* target, co
   const int seg = ((v + warps - 1) / warps + warpSize - 1) / warpSize * warpSize;
   const int seg_begin = min_int(v, warp * seg), seg_end = min_int(v, seg_begin + seg);
   RowStats<Acc> mine{lse_empty<Acc>(), lse_empty<Acc>(), lse_empty<Acc>(), lse_empty<Acc>()};
-  for (int i = seg_begin + lane; i < seg_end; i += warpSize) {
-    const Acc d = static_cast<Acc>(to_float(d_row[i]));
-    const Acc t = static_cast<Acc>(to_float(t_row[i]));
+  auto add = [&](Elem d_elem, Elem t_elem, int i) {
+    const Acc d = static_cast<Acc>(to_float(d_elem));
+    const Acc t = static_cast<Acc>(to_float(t_elem));
     lse_add<Acc, false>(mine.d, d, Acc(0), i);
     lse_add<Acc, true>(mine.t, t, d, i);
     if (kScaled) {
       lse_add<Acc, false>(mine.dt, d * inv_temperature, Acc(0), i);
       lse_add<Acc, false>(mine.tt, t * inv_temperature, Acc(0), i);
     }
+  };
+  // 16-byte vector loads where both rows are 16-byte aligned (segments start at multiples of 32
+  // elements, so every lane's vector is aligned too): a lane takes Vec16<Elem>::kCount consecutive
+  // elements per step; the rest of the segment, element by element. Each thread still meets its
+  // indices in increasing order (the first maximum wins ties).
+  int scalar_begin = seg_begin;
+  if (aligned16(d_row) && aligned16(t_row)) {
+    constexpr int kVec = Vec16<Elem>::kCount;
+    const int step = kVec * warpSize;
+    const int vec_end = seg_begin + (seg_end - seg_begin) / step * step;
+    for (int i = seg_begin + lane * kVec; i < vec_end; i += step) {
+      const Vec16<Elem> dv = load_vec16(d_row + i), tv = load_vec16(t_row + i);
+      for (int k = 0; k < kVec; ++k) add(dv.v[k], tv.v[k], i + k);
+    }
+    scalar_begin = vec_end;
   }
+  for (int i = scalar_begin + lane; i < seg_end; i += warpSize) add(d_row[i], t_row[i], i);
   const RowStats<Acc> all = block_merge_stats<Acc, kScaled>(mine, s_warps);
   const OnlineLse<Acc>& dq = kScaled ? all.dt : all.d;  // draft at temperature T
   const OnlineLse<Acc>& tp = kScaled ? all.tt : all.t;  // target at temperature T
