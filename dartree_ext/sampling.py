@@ -43,15 +43,21 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
             # (0.95 ms vs 0.2 ms over 11 x 49152 logits on a 2-vCPU EPYC)
             logits = logits.float()
         return logits.argmax(-1)
-    scaled = logits.float() / temperature
+    # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
+    scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if temperature != 1.0:
+        scaled.div_(temperature)
     if top_k is not None:
         scaled = _filter_top_k(scaled, top_k)
     if top_p is not None and top_p < 1.0:
         scaled = _filter_top_p(scaled, top_p)
-    # inverse-CDF sampling: one uniform per row against the cumulative probabilities. The same
-    # distribution as torch.multinomial, about 8x faster on a CPU over a 49k vocabulary (a tree
-    # samples at every node, so this is on the critical path at T > 0). right=True never lands
-    # on a zero-probability token: its cumulative value equals its predecessor's.
-    cdf = scaled.softmax(-1).cumsum(-1)
+    # inverse-CDF sampling: one uniform per row, scaled to the row's total, against the
+    # cumulative unnormalised probabilities exp(x - max). The same distribution as
+    # torch.multinomial, and fast on a CPU over a 49k vocabulary (a tree samples at every node,
+    # so this is on the critical path at T > 0): in place, 0.43 ms for 11 rows where softmax then
+    # cumsum into new tensors took 1.8 ms (2-vCPU EPYC). right=True never lands on a
+    # zero-probability token: its cumulative value equals its predecessor's.
+    cdf = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
+    torch.cumsum(cdf, -1, out=cdf)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)[..., 0]

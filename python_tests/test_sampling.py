@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 
 from dartree_ext import target_tokens_from_logits
@@ -77,3 +79,16 @@ def test_never_samples_a_token_of_zero_probability():
     peaked[0, -1] = 30.0
     tokens = target_tokens_from_logits(peaked.expand(1000, -1), 1.0, generator=torch.Generator().manual_seed(2))
     assert (tokens == 4999).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_leaves_the_logits_untouched(temperature):
+    """The sampler works in place on its own copy: a float32 caller's logits (which .float()
+    would hand back as they are) and an expanded view stay as they were."""
+    logits = torch.randn(3, 5, 97)
+    before = logits.clone()
+    target_tokens_from_logits(logits, temperature, top_k=20, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits, before)
+    row = torch.randn(1, 1, 97)
+    tokens = target_tokens_from_logits(row.expand(2, 4, 97), temperature, generator=torch.Generator().manual_seed(0))
+    assert tokens.shape == (2, 4) and torch.equal(row, row.clone())
