@@ -309,3 +309,50 @@ def _saved(drafter, tmp_path, calibration):
     finally:
         drafter.calibration = {}
     return tmp_path / "d"
+
+
+def test_per_request_acceptance_scales_the_estimate(setup):
+    """Each row's node probabilities are scaled by how its drafter nodes fared against the
+    estimate so far: (accepted + prior) / (expected + prior), kept within the range; scaled
+    probabilities stay at most 1, and the unscaled per-row sums are kept for the tally."""
+    from types import SimpleNamespace
+
+    from dartree_ext.decoding import decoder as decmod
+    from dartree_ext.tree import Tree
+    target, drafter, _, _ = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", cost_model=TREES_PAY)
+    dec.calibrator = AcceptanceCalibrator()
+    scores = torch.tensor([[0.0, -0.02, -0.5, -3.0], [0.0, -0.02, -0.5, -3.0]])
+    tree = Tree(tokens=torch.zeros(2, 4, dtype=torch.long), parents=torch.tensor([[-1, 0, 1, 2]] * 2, dtype=torch.int32),
+                depths=torch.tensor([[0, 1, 2, 3]] * 2, dtype=torch.int32), scores=scores,
+                num_nodes=torch.tensor([4, 4], dtype=torch.int32))
+    plain = dec.expected_accepted(tree)
+    per_row = dec._row_cum.clone()
+    assert torch.allclose(plain, per_row.sum(0))
+    scaled = dec.expected_accepted(tree, row_scale=[0.5, 2.0])
+    p = per_row[0].diff()                                       # the same probabilities in both rows
+    expected = torch.cat([torch.zeros(1), (0.5 * p + (2.0 * p).clamp(max=1.0)).cumsum(0)])
+    assert torch.allclose(scaled, expected) and torch.allclose(dec._row_cum, per_row)
+    lo, hi = decmod.ACCEPT_RATIO_RANGE
+    prior = decmod.ACCEPT_RATIO_PRIOR
+    state = SimpleNamespace(accepted_so_far=[0.0, 100.0, 3.0], expected_so_far=[50.0, 1.0, 3.0])
+    assert SpeculativeDecoder._row_scale(state) == [lo, hi, (3.0 + prior) / (3.0 + prior)]
+
+
+def test_per_request_tallies_follow_the_rows(setup):
+    """A batch decode keeps one tally per request through rows finishing at different times, and
+    a request whose drafter nodes are never accepted ends with a scale below 1."""
+    target, drafter, prompts, refs = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, cost_model=TREES_PAY, lookup=0)
+    seen = []
+    original = SpeculativeDecoder._row_scale
+    SpeculativeDecoder._row_scale = staticmethod(lambda state: seen.append(
+        (list(state.accepted_so_far), list(state.expected_so_far))) or original(state))
+    try:
+        check_greedy(dec, prompts, refs, NEW)
+    finally:
+        SpeculativeDecoder._row_scale = staticmethod(original)
+    assert seen and all(len(a) == len(e) for a, e in seen)
+    accepted, expected = seen[-1]
+    assert all(e > 0 for e in expected)                     # every row has been predicted for
+    assert min(original(type("S", (), {"accepted_so_far": accepted, "expected_so_far": expected})())) < 1.0
