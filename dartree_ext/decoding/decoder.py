@@ -54,10 +54,6 @@ DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RECENT_ROUNDS = 16
-# budget="auto": each request's drafter-node acceptance so far against what the calibrator
-# predicted for it scales its predictions, with this many tokens of prior on both sides
-ACCEPT_RATIO_PRIOR = 2.0
-ACCEPT_RATIO_RANGE = (0.25, 2.0)
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
 ESTIMATORS = ("score", "vh")  # budget="auto": node acceptance from calibrated scores / the verification head
 
@@ -257,11 +253,6 @@ class _Batch:
     chains: list[list[int]] | None = None
     ngrams: list[int] | None = None
     drafted: list[int] | None = None  # per row, the nodes before the graft (the drafter's)
-    # budget="auto", per row: drafter nodes accepted so far, the calibrator's expectation for
-    # them, and this round's expectation for the chosen tree
-    accepted_so_far: list[float] = dataclasses.field(default_factory=list)
-    expected_so_far: list[float] = dataclasses.field(default_factory=list)
-    row_expected: list[float] | None = None
 
     @property
     def rows(self) -> int:
@@ -274,7 +265,6 @@ class _Batch:
         self.position = self.length - self.pad
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = None
-        self.row_expected = None
 
     def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int, drafter=None) -> None:
         """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``; with
@@ -301,10 +291,7 @@ class _Batch:
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only the rows ``idx`` (int64), in the cache too."""
         self.active, self.pad, self.length, self.root = self.active[idx], self.pad[idx], self.length[idx], self.root[idx]
-        rows = idx.tolist()
-        self.host_length = [self.host_length[i] for i in rows]
-        self.accepted_so_far = [self.accepted_so_far[i] for i in rows]
-        self.expected_so_far = [self.expected_so_far[i] for i in rows]
+        self.host_length = [self.host_length[i] for i in idx.tolist()]
         if self.context is not None:
             self.context = self.context[idx]
         if self.context_kv is not None:
@@ -381,9 +368,7 @@ class SpeculativeDecoder:
     ``budget="auto"`` (methods in :data:`AUTO_METHODS`) sizes every round's tree to the machine:
     the tree is built at ``max_budget`` nodes (the chain at its full length), each node's
     acceptance probability is read off its score by an :class:`~dartree_ext.decoding.cost.AcceptanceCalibrator`
-    updated from every verified round and scaled per request by how its drafter nodes have fared
-    against that estimate so far (:data:`ACCEPT_RATIO_PRIOR` tokens of prior, the factor kept
-    within :data:`ACCEPT_RATIO_RANGE`), and the best ``n`` nodes are kept with ``n`` maximising
+    updated from every verified round, and the best ``n`` nodes are kept with ``n`` maximising
     ``(1 + E[accepted(n)]) / (t_draft + t_tree + t_verify(n))`` under ``cost_model`` (measured
     once per machine, model and dtype and cached on disk when not given:
     :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
@@ -488,8 +473,6 @@ class SpeculativeDecoder:
         self._overhead_ms = None
         self._recent_depths: list[int] = []
         self._chosen_expected = 0.0
-        self._row_cum = torch.zeros(0, 1)  # expected_accepted: each row's unscaled E[n]
-        self._row_expected: list[float] = []  # choose_tree: each row's unscaled E of the chosen n
         self._head = None
         if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
             self._head = drafter.export_head(dtype=drafter.dtype)
@@ -554,14 +537,12 @@ class SpeculativeDecoder:
                     scores=torch.zeros(batch, 1, device=device),
                     num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
 
-    def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None,
-                          row_scale: Sequence[float] | None = None) -> torch.Tensor:
+    def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
         """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
         the rows, for ``n = 0 .. N - 1`` (best-first by score, the order :func:`prune` keeps).
         A node's probability is its calibrated score, or with ``accept_prob [B, D]`` (the
         verification head's) ``accept_prob[depth - 1]`` times its path probability relative to
-        the best node of its depth; ``row_scale`` multiplies each row's probabilities (at most 1
-        after it). ``self._row_cum`` keeps each row's unscaled ``E[n]``."""
+        the best node of its depth."""
         scores = tree.scores[:, 1:].float()
         valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
         scores = torch.where(valid, scores, float("-inf"))
@@ -577,25 +558,19 @@ class SpeculativeDecoder:
             p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
             p, scores = torch.where(valid, p, 0.0).cpu(), scores.cpu()
         order = scores.argsort(dim=1, descending=True, stable=True)
-        ranked = p.gather(1, order)
-        self._row_cum = torch.cat([torch.zeros(ranked.shape[0], 1), ranked.cumsum(1)], 1)
-        if row_scale is not None:
-            ranked = (ranked * torch.tensor(row_scale, dtype=ranked.dtype)[:, None]).clamp(max=1.0)
-        return torch.cat([torch.zeros(1), ranked.cumsum(1).sum(0)])
+        return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
 
-    def choose_tree(self, tree: Tree, context: int, accept_prob: torch.Tensor | None = None,
-                    row_scale: Sequence[float] | None = None) -> tuple[Tree, int]:
+    def choose_tree(self, tree: Tree, context: int, accept_prob: torch.Tensor | None = None) -> tuple[Tree, int]:
         """``budget="auto"``: the tree cut to its best ``n`` nodes (``n`` chosen by the cost
-        model; the root alone for ``n = 0``) and ``n``. ``accept_prob``, ``row_scale``: as in
+        model; the root alone for ``n = 0``) and ``n``. ``accept_prob``: as in
         :meth:`expected_accepted`."""
-        expected = self.expected_accepted(tree, accept_prob, row_scale)
+        expected = self.expected_accepted(tree, accept_prob)
         batch = tree.tokens.shape[0]
         overhead = self.cost_model.overhead_ms
         if overhead is None:
             overhead = self._overhead_ms or 0.0
         n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead)
         self._chosen_expected = float(expected[n])
-        self._row_expected = self._row_cum[:, n].tolist()
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
         if n < tree.tokens.shape[1] - 1:
@@ -610,14 +585,6 @@ class SpeculativeDecoder:
         if drafted:
             ms += cost.draft_ms + cost.tree(self.method)
         return rows + self._chosen_expected, ms
-
-    @staticmethod
-    def _row_scale(state: _Batch) -> list[float]:
-        """Per row, (accepted + prior) / (expected + prior) over its drafter nodes so far: the
-        calibration is shared by every request, a request's own text is easier or harder."""
-        lo, hi = ACCEPT_RATIO_RANGE
-        return [min(hi, max(lo, (a + ACCEPT_RATIO_PRIOR) / (e + ACCEPT_RATIO_PRIOR)))
-                for a, e in zip(state.accepted_so_far, state.expected_so_far)]
 
     def _draft_depth(self, full: int) -> int:
         """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
@@ -746,8 +713,7 @@ class SpeculativeDecoder:
         state = _Batch(active=torch.arange(batch, device=device), pad=pad,
                        length=torch.full((batch,), prefix, dtype=torch.int64, device=device),
                        root=torch.stack([p[-1] for p in prompts]), cache=self._new_cache(),
-                       host_length=[prefix] * batch, accepted_so_far=[0.0] * batch,
-                       expected_so_far=[0.0] * batch)
+                       host_length=[prefix] * batch)
         if prefix > 0:
             ids = torch.full((batch, prefix), run.pad_id, dtype=torch.int64, device=device)
             for b, p in enumerate(prompts):
@@ -897,9 +863,7 @@ class SpeculativeDecoder:
         chosen = None
         if self.auto:
             state.full_tree = tree
-            tree, chosen = self.choose_tree(tree, state.cache_len, prob if self.estimator == "vh" else None,
-                                            self._row_scale(state))
-            state.row_expected = self._row_expected
+            tree, chosen = self.choose_tree(tree, state.cache_len, prob if self.estimator == "vh" else None)
             if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
                 self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
                 self._skip = self._backoff
@@ -955,10 +919,7 @@ class SpeculativeDecoder:
                                   verdict.bonus[:, None], nxt)
             state.append_context(self._context_vectors(feats, nxt), in_path, new_length, self.drafter)
         if self.auto and chosen:
-            hits = self._calibrate(tree, verdict.accept_nodes)
-            if state.row_expected is not None:
-                state.accepted_so_far = [a + h for a, h in zip(state.accepted_so_far, hits)]
-                state.expected_so_far = [e + x for e, x in zip(state.expected_so_far, state.row_expected)]
+            self._calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None:
             self._calibrate_unverified(state.full_tree, verdict.target_tokens[:, 0])
         state.length = state.length + lengths
@@ -1000,9 +961,8 @@ class SpeculativeDecoder:
             state.keep(torch.tensor(keep, dtype=torch.int64, device=run.device))
 
     # helpers --------------------------------------------------------------------------------
-    def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> list[float]:
-        """Feed the verified draft nodes (accepted or not) to the calibrator; per row, how many
-        of them were accepted."""
+    def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
+        """Feed the verified draft nodes (accepted or not) to the calibrator."""
         n = tree.tokens.shape[1]
         valid = torch.arange(n, device=tree.scores.device)[None] < tree.num_nodes[:, None]
         valid &= tree.scores > float("-inf")  # not the grafted lookup nodes: they have no drafter score
@@ -1012,7 +972,6 @@ class SpeculativeDecoder:
         hit.scatter_(1, path.clamp(min=0), path >= 0)
         hit[:, 0] = False
         self.calibrator.update(tree.scores[valid], hit[valid])
-        return (hit & valid).sum(1).tolist()
 
     def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
         """A round that verified no draft still tells which depth-1 nodes were right (the
