@@ -133,15 +133,9 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
                              "10 for method lookup and with --budget auto, else 0")
 
 
-def generate_main(argv: list[str] | None = None) -> int:
-    """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
-    import json
-    import statistics
-    import time
-
-    from .decoding import SpeculativeDecoder, left_pad
-    from .decoding.decoder import ALL_METHODS, AUTO_METHODS, EAGLE3_METHODS
-    from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
+def build_generate_parser() -> argparse.ArgumentParser:
+    """The command line of ``dartree-generate``."""
+    from .decoding.decoder import ALL_METHODS
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
                                      description="Speculative decoding with draft trees; prints the text, tau and "
@@ -174,6 +168,20 @@ def generate_main(argv: list[str] | None = None) -> int:
                              "9-token forward faster here (measured once, cached). float32 output equals plain "
                              "decoding's exactly; bfloat16 only up to rounding (near-ties can flip)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
+    import json
+    import statistics
+    import time
+
+    from .decoding import SpeculativeDecoder, left_pad
+    from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
+    from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
+
+    parser = build_generate_parser()
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")

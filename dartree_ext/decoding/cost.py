@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -325,35 +326,21 @@ class _Timer:
         return 1e3 * (time.perf_counter() - t)
 
 
-@torch.no_grad()
-def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
-                       methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
-                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, progress: bool = False,
-                       tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
-    """Time this machine: the target forward over root + ``n`` nodes (an additive tree mask, a
-    cache of each context length, hidden states out, as a decoding round runs it), the drafter
-    pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
-    vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
-    at ``max(nodes)`` nodes; methods without a builder get no tree time). Repetitions are
-    interleaved over the points (the machine's speed drifts) and the median kept; the curve is then
-    made non-decreasing."""
+def _vocab_size(model: torch.nn.Module) -> int:
+    cfg = model.config
+    return int(cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size)
+
+
+def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int], contexts: list[int], reps: int,
+                   progress: bool, timer: _Timer, gen: torch.Generator) -> list[list[float]]:
+    """The target forward's ms over root + n nodes, per context length (see :func:`measure_cost_model`)."""
     from transformers import DynamicCache
 
     from .. import ops
-    from ..models.eagle3 import Eagle3Drafter
-
-    if isinstance(drafter, Eagle3Drafter):
-        raise ValueError("the cost model times block drafters; the EAGLE-3 methods take a fixed budget")
-    nodes, contexts = sorted(set(int(n) for n in nodes) | {0}), sorted(set(int(c) for c in contexts))
     param = next(target.parameters())
     device, dtype = param.device, param.dtype
-    timer = _Timer(device)
-    vocab = int(target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config")
-                else target.config.vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    import inspect
+    vocab = _vocab_size(target)
     cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    need_hidden = drafter is not None
     verify: list[list[float]] = []
     bar = None
     if progress:
@@ -390,32 +377,67 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
         verify.append(row)
     if bar is not None:
         bar.close()
+    return verify
 
+
+def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: list[int], methods: Sequence[str],
+                   tree_builders: Mapping[str, TreeBuilder] | None, reps: int, timer: _Timer,
+                   gen: torch.Generator) -> tuple[float, dict[str, float]]:
+    """The drafter pass's ms and each method's tree construction ms (see :func:`measure_cost_model`)."""
+    device = next(target.parameters()).device
+    vocab = _vocab_size(target)
+    tree_ms = {}
+    ctx = contexts[-1] if contexts[-1] > 0 else 64
+    hidden_size = drafter.config.hidden_size
+    wdtype = drafter.dtype
+    context = torch.randn(1, ctx, hidden_size, generator=gen).to(device=device, dtype=wdtype)
+    cpos = torch.arange(ctx, device=device)[None]
+    cmask = torch.ones(1, ctx, dtype=torch.bool, device=device)
+    root = torch.randint(0, vocab, (1,), generator=gen).to(device)
+    rpos = torch.tensor([ctx], device=device)
+    out = None
+
+    def draft():
+        nonlocal out
+        out = drafter(root, rpos, context, cpos, cmask)
+
+    draft()
+    draft_ms = statistics.median(timer(draft) for _ in range(reps))
+    for method in methods:
+        build = (tree_builders or {}).get(method)
+        if method == "ar" or build is None:
+            continue
+        build(out.hidden, out.base_logits, root, out.vocab)
+        tree_ms[method] = statistics.median(
+            timer(lambda: build(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
+    return draft_ms, tree_ms
+
+
+@torch.no_grad()
+def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
+                       methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
+                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, progress: bool = False,
+                       tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
+    """Time this machine: the target forward over root + ``n`` nodes (an additive tree mask, a
+    cache of each context length, hidden states out, as a decoding round runs it), the drafter
+    pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
+    vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
+    at ``max(nodes)`` nodes; methods without a builder get no tree time). Repetitions are
+    interleaved over the points (the machine's speed drifts) and the median kept; the curve is then
+    made non-decreasing."""
+    from ..models.eagle3 import Eagle3Drafter
+
+    if isinstance(drafter, Eagle3Drafter):
+        raise ValueError("the cost model times block drafters; the EAGLE-3 methods take a fixed budget")
+    nodes, contexts = sorted(set(int(n) for n in nodes) | {0}), sorted(set(int(c) for c in contexts))
+    param = next(target.parameters())
+    device, dtype = param.device, param.dtype
+    timer = _Timer(device)
+    gen = torch.Generator().manual_seed(0)
+    verify = _verify_curves(target, drafter is not None, nodes, contexts, reps, progress, timer, gen)
     draft_ms, tree_ms = 0.0, {}
     if drafter is not None:
-        ctx = contexts[-1] if contexts[-1] > 0 else 64
-        hidden_size = drafter.config.hidden_size
-        wdtype = drafter.dtype
-        context = torch.randn(1, ctx, hidden_size, generator=gen).to(device=device, dtype=wdtype)
-        cpos = torch.arange(ctx, device=device)[None]
-        cmask = torch.ones(1, ctx, dtype=torch.bool, device=device)
-        root = torch.randint(0, vocab, (1,), generator=gen).to(device)
-        rpos = torch.tensor([ctx], device=device)
-        out = None
-
-        def draft():
-            nonlocal out
-            out = drafter(root, rpos, context, cpos, cmask)
-
-        draft()
-        draft_ms = statistics.median(timer(draft) for _ in range(reps))
-        for method in methods:
-            build = (tree_builders or {}).get(method)
-            if method == "ar" or build is None:
-                continue
-            build(out.hidden, out.base_logits, root, out.vocab)
-            tree_ms[method] = statistics.median(
-                timer(lambda: build(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
+        draft_ms, tree_ms = _drafter_times(target, drafter, contexts, methods, tree_builders, reps, timer, gen)
     meta = {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "reps": reps,
             "threads": torch.get_num_threads() if device.type == "cpu" else 0, "torch": torch.__version__,
             "bf16_native": cpu_bf16_native() if device.type == "cpu" else None,
@@ -456,7 +478,6 @@ def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 6
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=gen).to(param.device)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(param.device)
-    import inspect
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     samples = []
     for rep in range(reps + 1):
