@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import statistics
+import time
 
 import torch
 
@@ -171,27 +174,16 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def generate_main(argv: list[str] | None = None) -> int:
-    """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
-    import json
-    import statistics
-    import time
-
-    from .decoding import SpeculativeDecoder, left_pad
+def _load_for_generate(args):
+    """The target (in the dtype ``--dtype`` asks for, measured once for ``auto``), its tokenizer,
+    the drafter, the budget, and the forward times the dtype choice was made from."""
+    from .decoding.cost import choose_dtype
     from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
-    from .loading import default_target, encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
+    from .loading import default_target, load_drafter, load_target, shipped_drafter
 
-    parser = build_generate_parser()
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-
-    from .decoding.cost import choose_dtype, cpu_bf16_native, device_name
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
-    target, tok = loaded.target, loaded.tokenizer
-    dtype_ms = {}
+    target, dtype_ms = loaded.target, {}
     if args.dtype == "auto":
         dtype, dtype_ms = choose_dtype(target)
         target = target.to(dtype)
@@ -206,12 +198,69 @@ def generate_main(argv: list[str] | None = None) -> int:
     if args.method not in ("ar", "lookup"):
         drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
+    return target, loaded.tokenizer, drafter, dtype, dtype_ms, budget
+
+
+def _speedup(ar_out, method_out) -> float:
+    """Time per token: plain decoding's / the method's."""
+    return (ar_out.stats.total_time / max(1e-9, method_out.stats.total_time) *
+            method_out.stats.new_tokens / max(1, ar_out.stats.new_tokens))
+
+
+def _compare_with_ar(args, run, out, width: int) -> dict:
+    """``--compare-ar``: plain decoding and the method in turn (``--repeats`` pairs, so the
+    machine's drift hits both), the median speedup, and whether the outputs match."""
+    ar, ar_seconds = run("ar")
+    pairs = [_speedup(ar, out)]
+    for _ in range(args.repeats - 1):
+        again, _ = run(args.method)
+        ar_again, _ = run("ar")
+        pairs.append(_speedup(ar_again, again))
+    same = torch.equal(ar.sequences, out.sequences)
+    summary = {"ar_wall_s": round(ar_seconds, 4), "speedup_vs_ar": round(statistics.median(pairs), 3)}
+    if len(pairs) > 1:
+        summary["speedup_vs_ar_pairs"] = [round(x, 3) for x in pairs]
+    summary["same_output_as_ar"] = same if args.temperature == 0 else "n/a (sampling)"
+    if args.temperature == 0 and not same:
+        firsts = []
+        for b in range(out.sequences.shape[0]):
+            a, o = ar.sequences[b, width:].tolist(), out.sequences[b, width:].tolist()
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), min(len(a), len(o))))
+        summary["first_divergence_from_ar"] = firsts  # bfloat16: a near-tie flipped (see --dtype)
+    return summary
+
+
+def _compare_with_hf(args, target, ids, mask, out) -> dict:
+    """``--compare-hf``: HF greedy ``generate`` on the same prompts (after a 2-token warm-up)."""
+    width = ids.shape[1]
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=mask.to(args.device))
+    target.generate(ids.to(args.device), **dict(gen_kw, max_new_tokens=2))
+    start = time.perf_counter()
+    hf = target.generate(ids.to(args.device), **gen_kw)
+    hf_seconds = time.perf_counter() - start
+    hf_tokens = int(hf.shape[1] - width) * hf.shape[0]
+    per_token = out.stats.total_time / max(1, out.stats.new_tokens)
+    return {"hf_generate_s": round(hf_seconds, 4),
+            "speedup_vs_hf_generate": round(hf_seconds / max(1, hf_tokens) / max(1e-9, per_token), 3)}
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
+    from .decoding import SpeculativeDecoder, left_pad
+    from .decoding.cost import cpu_bf16_native, device_name
+    from .loading import encode_prompt, stop_tokens
+
+    parser = build_generate_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    target, tok, drafter, dtype, dtype_ms, budget = _load_for_generate(args)
     texts = [args.prompt]
     if args.prompt_file:
         with open(args.prompt_file) as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
-    prompts = [encode_prompt(tok, t, chat=not args.no_chat) for t in texts]
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad([encode_prompt(tok, t, chat=not args.no_chat) for t in texts])
     width = ids.shape[1]
     stops = stop_tokens(tok, target)
 
@@ -237,59 +286,19 @@ def generate_main(argv: list[str] | None = None) -> int:
         new = out.sequences[b, width:width + out.stats.requests[b].new_tokens].tolist()
         print(f"--- prompt {b}: {text}\n{tok.decode(new, skip_special_tokens=True)}")
     summary = out.stats.summary()
-    summary["wall_s"] = round(seconds, 4)
-    summary["budget"] = budget
-    summary["dtype"] = str(dtype).replace("torch.", "")
-    summary["dtype_forward_ms"] = {k: round(v, 2) for k, v in dtype_ms.items()}
-    summary["device"] = device_name(args.device)
+    summary.update(wall_s=round(seconds, 4), budget=budget, dtype=str(dtype).replace("torch.", ""),
+                   dtype_forward_ms={k: round(v, 2) for k, v in dtype_ms.items()}, device=device_name(args.device))
     if torch.device(args.device).type == "cpu":
-        summary["cpu_bf16_native"] = cpu_bf16_native()
-        summary["threads"] = torch.get_num_threads()
+        summary.update(cpu_bf16_native=cpu_bf16_native(), threads=torch.get_num_threads())
     if args.compare_ar and args.method != "ar":
-        def speedup(ar_out, method_out):  # time per token: ar's / the method's
-            return (ar_out.stats.total_time / max(1e-9, method_out.stats.total_time) *
-                    method_out.stats.new_tokens / max(1, ar_out.stats.new_tokens))
-
-        ar, ar_seconds = run("ar")
-        pairs = [speedup(ar, out)]
-        for _ in range(args.repeats - 1):  # method and ar in turn, so the machine's drift hits both
-            again, _ = run(args.method)
-            ar_again, _ = run("ar")
-            pairs.append(speedup(ar_again, again))
-        same = torch.equal(ar.sequences, out.sequences)
-        summary["ar_wall_s"] = round(ar_seconds, 4)
-        summary["speedup_vs_ar"] = round(statistics.median(pairs), 3)
-        if len(pairs) > 1:
-            summary["speedup_vs_ar_pairs"] = [round(x, 3) for x in pairs]
-        summary["same_output_as_ar"] = same if args.temperature == 0 else "n/a (sampling)"
-        if args.temperature == 0 and not same:
-            firsts = []
-            for b in range(len(texts)):
-                a, o = ar.sequences[b, width:].tolist(), out.sequences[b, width:].tolist()
-                firsts.append(next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), min(len(a), len(o))))
-            summary["first_divergence_from_ar"] = firsts  # bfloat16: a near-tie flipped (see --dtype)
+        summary.update(_compare_with_ar(args, run, out, width))
     if args.compare_hf:
-        gen_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=mask.to(args.device))
-        target.generate(ids.to(args.device), **dict(gen_kw, max_new_tokens=2))
-        start = time.perf_counter()
-        hf = target.generate(ids.to(args.device), **gen_kw)
-        hf_seconds = time.perf_counter() - start
-        hf_tokens = int(hf.shape[1] - width) * hf.shape[0]
-        summary["hf_generate_s"] = round(hf_seconds, 4)
-        summary["speedup_vs_hf_generate"] = round(hf_seconds / max(1, hf_tokens) /
-                                                  max(1e-9, out.stats.total_time / max(1, out.stats.new_tokens)), 3)
+        summary.update(_compare_with_hf(args, target, ids, mask, out))
     print(json.dumps(summary, indent=2))
     return 0
 
 
-def profile_main(argv: list[str] | None = None) -> int:
-    """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
-    import json
-
-    from .decoding import SpeculativeDecoder
-    from .decoding.cost import cached_cost_model, cost_key, measure_cost_model, _key_path
-    from .loading import default_target, load_drafter, load_target, shipped_drafter
-
+def build_profile_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dartree-profile",
                                      description="Measure the round cost model (target forward time vs tree nodes "
                                                  "and cache length, drafter pass, tree construction) that "
@@ -305,16 +314,40 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true", help="re-measure even when cached")
     parser.add_argument("--json", default=None, help="also write the cost model here")
     parser.add_argument("--plot", default=None, help="write a PNG of the curves here (needs matplotlib)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _plot_cost_model(cost, title: str, path: str) -> None:
+    """The verify curves (one per cache length) against a plain step, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for c, row in zip(cost.contexts, cost.verify_ms):
+        ax.plot(cost.nodes, row, marker="o", label=f"verify, cache {c}")
+    ax.axhline(cost.verify_ms[0][0], color="gray", ls=":", label="plain decoding step")
+    ax.set_xlabel("draft nodes n")
+    ax.set_ylabel("ms")
+    ax.set_title(title[:60], fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def profile_main(argv: list[str] | None = None) -> int:
+    """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
+    from .decoding import SpeculativeDecoder
+    from .decoding.cost import DEFAULT_CONTEXTS, DEFAULT_NODES, _key_path, cached_cost_model, cost_key, measure_cost_model
+    from .loading import default_target, load_drafter, load_target, shipped_drafter
+
+    args = build_profile_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from .decoding.cost import DEFAULT_CONTEXTS, DEFAULT_NODES
     nodes = [int(v) for v in args.nodes.split(",")] if args.nodes else list(DEFAULT_NODES)
     contexts = [int(v) for v in args.contexts.split(",")] if args.contexts else list(DEFAULT_CONTEXTS)
     methods = [m for m in args.methods.split(",") if m]
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=getattr(torch, args.dtype),
                          device=args.device)
-    drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target)
-    drafter = drafter.to(device=args.device)
+    drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target).to(device=args.device)
     builders = {m: SpeculativeDecoder(loaded.target, drafter, m, budget=max(1, max(nodes))).build_tree
                 for m in methods if m != "ar"}
     kw = dict(methods=methods, nodes=nodes, contexts=contexts, reps=args.reps, progress=True, tree_builders=builders)
@@ -333,19 +366,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     if args.json:
         cost.save(args.json)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for c, row in zip(cost.contexts, cost.verify_ms):
-            ax.plot(cost.nodes, row, marker="o", label=f"verify, cache {c}")
-        ax.axhline(cost.verify_ms[0][0], color="gray", ls=":", label="plain decoding step")
-        ax.set_xlabel("draft nodes n")
-        ax.set_ylabel("ms")
-        ax.set_title(f"{loaded.name} {args.dtype}, {cost.meta.get('device')}"[:60], fontsize=8)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        _plot_cost_model(cost, f"{loaded.name} {args.dtype}, {cost.meta.get('device')}", args.plot)
     print(json.dumps({"draft_ms": cost.draft_ms, "tree_ms": cost.tree_ms}))
     return 0
 

@@ -37,12 +37,16 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
     if temperature == 0:
-        if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
-            # exact (every bf16/fp16 value is a float32 value, ties still go to the lowest id) and
-            # 5x faster on a CPU: PyTorch's reduced-precision argmax there is not vectorised
-            # (0.95 ms vs 0.2 ms over 11 x 49152 logits on a 2-vCPU EPYC)
+        if logits.device.type != "cpu":
+            return logits.argmax(-1)
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            # exact (every bf16/fp16 value is a float32 value): PyTorch's reduced-precision
+            # reductions are not vectorised on a CPU
             logits = logits.float()
-        return logits.argmax(-1)
+        # max(-1).indices is argmax (the first, i.e. lowest, index of the row's maximum: tested at
+        # vocabulary size with ties), and on a CPU about twice as fast: 0.4 vs 0.9 ms over
+        # 23 x 49152 float32 logits (2-vCPU Xeon)
+        return logits.max(-1).indices
     # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
     scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if temperature != 1.0:

@@ -154,3 +154,52 @@ def test_per_depth_widths_from_the_command_line(tmp_path, capsys):
     assert [r["params"]["width"] for r in rows if r["method"] != "ar"] == [2, [6, 2]]
     with pytest.raises(SystemExit):
         generate_main(["--target", "tiny", "--width", "6,0"])
+
+
+def test_grow_drafter_keeps_the_drafts_and_trains_the_new_layer(tmp_path):
+    """A drafter grown by bench/grow_drafter.py computes what the original did (the new layer's
+    output projections start at zero), and the new layer gets gradients."""
+    import torch
+    from dartree_ext.loading import load_drafter, load_target
+    saved = list(sys.path)
+    sys.path.insert(0, BENCH)
+    try:
+        import grow_drafter
+    finally:
+        sys.path[:] = saved
+    target = load_target("tiny").target
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    small = load_drafter(None, target, seed=5)
+    small.save_pretrained(str(src))
+    assert grow_drafter.main([str(src), str(dst), "--layers", str(small.config.num_layers + 2)]) == 0
+    big = load_drafter(str(dst), target)
+    assert big.config.num_layers == small.config.num_layers + 2
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(2, 7, small.config.hidden_size, generator=gen)
+    args = (torch.tensor([3, 5]), torch.tensor([7, 7]), ctx, torch.arange(7)[None].expand(2, -1),
+            torch.ones(2, 7, dtype=torch.bool))
+    with torch.no_grad():
+        a, b = small(*args), big(*args)
+    assert torch.allclose(a.base_logits, b.base_logits, atol=1e-6) and torch.allclose(a.hidden, b.hidden, atol=1e-6)
+    b = big(*args)
+    b.base_logits.logsumexp(-1).sum().backward()
+    new = big.layers[-1]
+    assert new.o_proj.weight.grad is not None and new.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="shrink"):
+        grow_drafter.grow({}, 2, 1)
+
+
+def test_profile_cli_measures_caches_and_writes_the_cost_model(tmp_path, monkeypatch, capsys):
+    from dartree_ext.cli import profile_main
+    from dartree_ext.decoding.cost import CostModel
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    args = ["--target", "tiny", "--nodes", "0,1,4", "--contexts", "8,16", "--reps", "1", "--methods", "chain,dartree",
+            "--json", str(tmp_path / "cost.json")]
+    assert profile_main(args) == 0
+    out = capsys.readouterr().out
+    assert "cached at" in out and "target forward ms (root + n nodes):" in out
+    cost = CostModel.load(str(tmp_path / "cost.json"))
+    assert cost.nodes == [0, 1, 4] and cost.contexts == [8, 16] and set(cost.tree_ms) == {"chain", "dartree"}
+    assert len(os.listdir(tmp_path / "cache" / "cost")) == 1
+    assert profile_main(args) == 0  # read back from the cache, not measured again
+    assert len(os.listdir(tmp_path / "cache" / "cost")) == 1

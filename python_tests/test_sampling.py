@@ -32,6 +32,20 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     assert target_tokens_from_logits(logits).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_ties_at_vocabulary_size(dtype):
+    """Rows of a 49152-token vocabulary with few distinct values, so every row's maximum is tied at
+    many ids spread over the row: the lowest id wins, as torch.argmax gives it."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (3, 23, 49152), generator=gen).to(dtype)
+    logits[0, 0] = 0.0
+    logits[0, 1, -1] = 5.0
+    logits[0, 2, 30000:] = 7.0
+    expected = logits.float().argmax(-1)
+    assert expected[0, :3].tolist() == [0, 49151, 30000]
+    assert torch.equal(target_tokens_from_logits(logits), expected)
+
+
 def test_shape_follows_logits():
     logits = torch.randn(2, 7, 11)
     assert target_tokens_from_logits(logits).shape == (2, 7)
