@@ -517,3 +517,28 @@ def test_bad_input(setup, tmp_path):
         Trainer(target, eagle3_drafter(target).train(), sampler, cfg)
     with pytest.raises(ValueError, match="loss 'eagle3' trains an EAGLE-3 drafter"):
         Trainer(target, block.train(), sampler, TrainConfig(out_dir="unused", loss="eagle3", progress=False))
+
+
+def test_train_cli_target_layers_share_the_feature_cache(tmp_path):
+    """--target-layers picks the hidden states a new drafter reads: an EAGLE-3 and a block drafter
+    on the same layers and data train from one --cache-features cache."""
+    import os
+    from dartree_ext.loading import load_target
+    from dartree_ext.models import BlockDrafter
+    from dartree_ext.training.cli import main
+    data = tmp_path / "data.jsonl"
+    common = ["--target", "tiny", "--num-prompts", "2", "--max-new-tokens", "10", "--batch-size", "2",
+              "--blocks-per-sequence", "2", "--warmup-steps", "1", "--steps", "1", "--data", str(data),
+              "--cache-features", "--target-layers", "0,1,2"]
+    assert main(common + ["--out", str(tmp_path / "block")]) == 0
+    shards = sorted(os.listdir(tmp_path / "features"))
+    stamps = [os.path.getmtime(tmp_path / "features" / s) for s in shards]
+    assert main(common + ["--out", str(tmp_path / "eagle"), "--drafter", "eagle3", "--draft-steps", "2"]) == 0
+    assert sorted(os.listdir(tmp_path / "features")) == shards
+    assert [os.path.getmtime(tmp_path / "features" / s) for s in shards] == stamps  # read, not recomputed
+    target = load_target("tiny").target
+    assert BlockDrafter.from_pretrained(tmp_path / "block" / "drafter", target).config.target_layer_ids == (0, 1, 2)
+    assert Eagle3Drafter.from_pretrained(tmp_path / "eagle" / "drafter", target).config.target_layer_ids == (0, 1, 2)
+    for bad in (["--target-layers", "0,x"], ["--target-layers", "0,1,2", "--init", str(tmp_path / "block" / "drafter")]):
+        with pytest.raises(SystemExit):
+            main(common[:-2] + ["--out", str(tmp_path / "bad")] + bad)

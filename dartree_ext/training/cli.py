@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="block: the block-parallel drafter (default); eagle3: the autoregressive EAGLE-3 drafter, "
                         "trained by the training-time test (--loss eagle3 for EAGLE-3's loss, or a VAT schedule)")
     p.add_argument("--draft-steps", type=int, default=7, help="eagle3: tokens drafted per round (the unroll depth K)")
+    p.add_argument("--target-layers", default=None, metavar="I,J,K",
+                   help="the target hidden_states the drafter reads (default: the drafter's own choice); runs on the "
+                        "same data and layers share the --cache-features cache")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=1)
     p.add_argument("--head-state", type=int, default=128)
@@ -101,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--init-from-target and --root-in-masks are block-drafter options")
     if args.drafter == "block" and args.loss == "eagle3":
         p.error("--loss eagle3 trains an EAGLE-3 drafter: add --drafter eagle3")
+    layer_kw = {}
+    if args.target_layers:
+        if args.init:
+            p.error("--target-layers sets a new drafter's inputs; --init keeps the drafter's own")
+        try:
+            layer_kw["target_layer_ids"] = tuple(int(v) for v in args.target_layers.split(","))
+        except ValueError:
+            p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     rank, world, device = setup_distributed()
@@ -126,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         drafter = kind.from_pretrained(args.init, target, dtype=torch.float32)
     elif args.drafter == "eagle3":
         torch.manual_seed(args.seed)
-        drafter = Eagle3Drafter.from_target(target, num_steps=args.draft_steps)
+        drafter = Eagle3Drafter.from_target(target, num_steps=args.draft_steps, **layer_kw)
     else:
         torch.manual_seed(args.seed)
         drafter = BlockDrafter.from_target(target, init_from_target=args.init_from_target, block_size=args.block_size,
                                            num_layers=args.drafter_layers, head_state_size=args.head_state,
-                                           head_proj_size=args.head_proj, root_in_masks=args.root_in_masks)
+                                           head_proj_size=args.head_proj, root_in_masks=args.root_in_masks, **layer_kw)
     drafter = drafter.to(device=device, dtype=torch.float32).train()
     cfg = TrainConfig(out_dir=args.out, progress=True, **{f.name: getattr(args, f.name)
                                                          for f in dataclasses.fields(TrainConfig)
