@@ -356,6 +356,36 @@ class _Run:
         return torch.cat([input_ids.to(self.device), tail], 1)
 
 
+def _resolve_budget(method: str, budget: int | str, max_budget: int) -> tuple[bool, int]:
+    """``(auto, budget)``: whether the tree is sized per round, and the nodes it is built with
+    (``max_budget`` under ``"auto"``); a ValueError for a budget the method cannot take."""
+    if not isinstance(budget, str):
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        return False, budget
+    if budget != "auto":
+        raise ValueError(f"budget must be an int >= 1 or 'auto', got {budget!r}")
+    if method != "ar" and method not in AUTO_METHODS:
+        raise ValueError(f"budget='auto' supports {', '.join(AUTO_METHODS)}, not {method!r}")
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    return method != "ar", max_budget  # plain decoding has no tree to size
+
+
+def _resolve_lookup(method: str, auto: bool, lookup: int | None) -> int:
+    """Context-lookup tokens per round: ``None`` is :data:`DEFAULT_LOOKUP` for method ``lookup``
+    and where trees are sized by cost (the branch is then cut by cost too), else 0."""
+    if lookup is None:
+        lookup = DEFAULT_LOOKUP if method == "lookup" or (auto and method != "ar") else 0
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise ValueError(f"lookup must be an int >= 0 (continuation tokens per round), got {lookup!r}")
+    if method == "ar" and lookup:
+        raise ValueError("method 'ar' is plain decoding: it takes no lookup continuation (use method 'lookup')")
+    if method == "lookup" and not lookup:
+        raise ValueError("method 'lookup' needs lookup >= 1")
+    return lookup
+
+
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``drafter`` by ``method`` (see :data:`METHODS`).
 
@@ -413,19 +443,7 @@ class SpeculativeDecoder:
                  estimator: str = "score", lookup: int | None = None) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
-        self.auto = isinstance(budget, str)
-        if self.auto:
-            if budget != "auto":
-                raise ValueError(f"budget must be an int >= 1 or 'auto', got {budget!r}")
-            if method == "ar":  # plain decoding has no tree to size
-                self.auto = False
-            elif method not in AUTO_METHODS:
-                raise ValueError(f"budget='auto' supports {', '.join(AUTO_METHODS)}, not {method!r}")
-            if max_budget < 1:
-                raise ValueError(f"max_budget must be >= 1, got {max_budget}")
-            budget = max_budget
-        elif budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
+        self.auto, budget = _resolve_budget(method, budget, max_budget)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if K < 1:
@@ -439,15 +457,7 @@ class SpeculativeDecoder:
         _check_drafter_kind(method, drafter, early_exit, width, K)
         if method == "eagle3_vh" and early_exit is None:
             early_exit = EAGLE3_EARLY_EXIT
-        if lookup is None:  # on where the tree is sized by cost (it is then cut by cost too)
-            lookup = DEFAULT_LOOKUP if method == "lookup" or (self.auto and method != "ar") else 0
-        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
-            raise ValueError(f"lookup must be an int >= 0 (continuation tokens per round), got {lookup!r}")
-        if method == "ar" and lookup:
-            raise ValueError("method 'ar' is plain decoding: it takes no lookup continuation (use method 'lookup')")
-        if method == "lookup" and not lookup:
-            raise ValueError("method 'lookup' needs lookup >= 1")
-        self.lookup = lookup
+        self.lookup = _resolve_lookup(method, self.auto, lookup)
         self._lookup_stats: dict[str, LookupStats] = {}
         self.lookup_stats = self._lookup_stats_for("greedy")
         if method in DRAFTERLESS:
