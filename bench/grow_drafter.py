@@ -45,10 +45,10 @@ def main(argv=None) -> int:
     with open(os.path.join(args.src, CONFIG_NAME)) as f:
         config = json.load(f)
     state = {k: v.float() for k, v in load_file(os.path.join(args.src, WEIGHTS_NAME)).items()}
-    grown = grow(state, config["num_layers"], args.layers)
+    old = config["num_layers"]
+    grown = grow(state, old, args.layers)
     os.makedirs(args.dst, exist_ok=True)
     save_file({k: v.contiguous() for k, v in grown.items()}, os.path.join(args.dst, WEIGHTS_NAME))
-    old = config["num_layers"]
     config["num_layers"] = args.layers
     with open(os.path.join(args.dst, CONFIG_NAME), "w") as f:
         json.dump(config, f, indent=2)
