@@ -7,7 +7,8 @@ level of bfloat16 rounding (a few hundredths at these magnitudes) is a near-tie 
 computation paths round differently, not a logic error. Also reports HF ``generate``'s own
 divergences from the ``ar`` loop in bfloat16, for scale.
 
-    python bench/bf16_divergence.py --sets gsm8k,humaneval,mtbench --num-prompts 5 --max-new-tokens 64
+    python bench/bf16_divergence.py --sets gsm8k,humaneval,mtbench --num-prompts 5 --max-new-tokens 64 \
+        [--linear few_rows]
 """
 from __future__ import annotations
 
@@ -42,11 +43,16 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--method", default="dartree")
+    p.add_argument("--linear", default="torch", choices=["torch", "few_rows"],
+                   help="the bfloat16 target's linear layers (dartree-generate --linear); HF generate runs the same "
+                        "target")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    from dartree_ext.linear import set_linear
     from dartree_ext.data import prompts as shipped
     loaded = load_target("smollm2", dtype=torch.bfloat16)
     target, tok = loaded.target, loaded.tokenizer
+    set_linear(target, args.linear)
     target32 = load_target("smollm2", dtype=torch.float32).target
     drafter = load_drafter(shipped_drafter(loaded.name), target)
     stops = stop_tokens(tok, target)
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
                 row.update(margins(target, target32, ids + plain[:i], fast[i], plain[i]))
             rows.append(row)
             print(json.dumps(row))
-    summary = {"responses": len(rows), "diverged": flips, "tokens_compared": tokens,
+    summary = {"linear": args.linear, "responses": len(rows), "diverged": flips, "tokens_compared": tokens,
                "per_token_rate": round(flips / max(1, tokens), 5), "hf_generate_diverged": hf_flips,
                "hf_per_token_rate": round(hf_flips / max(1, hf_tokens), 5)}
     print(json.dumps(summary))

@@ -28,6 +28,8 @@ import torch
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
+from dartree_ext.decoding.cost import choose_forward
+from dartree_ext.linear import set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
@@ -290,12 +292,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
                         help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
                              "(the second labelled '@fullvocab')")
+    parser.add_argument("--linear", default="auto", choices=["auto", "torch", "few_rows"],
+                        help="the target's linear layers on a CPU (as dartree-generate --linear): 'auto' measures "
+                             "torch's GEMM against few_rows_linear in --dtype once (cached); every row, ar "
+                             "included, runs the same target")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write every result (without outputs) here")
     args = parser.parse_args(argv)
 
     loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     target, tok = loaded.target, loaded.tokenizer
+    if torch.device(args.device).type != "cpu":
+        args.linear = "torch"
+    elif args.linear == "auto":
+        args.linear = choose_forward(target, (target.dtype,))[1]
+    set_linear(target, args.linear)
     stops = stop_tokens(tok, target)
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
     drafters = []
@@ -317,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         name = {"W": "width", "B": "budget", "beta": "depth_bonus"}.get(name, name)
         kind = param_kind(name, base_params)
         variants = [dataclasses.replace(base_params, **{name: kind(v)}) for v in values.split(",")]
-    print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} "
+    print(f"target={loaded.name} drafter={args.drafter} device={args.device} dtype={args.dtype} linear={args.linear} "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "
           f"batch={'set' if args.batch else 1}")
 
@@ -399,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in everything], f, indent=1)
+            json.dump([{**{k: v for k, v in r.items() if k != "outputs"}, "dtype": args.dtype, "linear": args.linear}
+                       for r in everything], f, indent=1)
         with open(os.path.splitext(args.json)[0] + ".summary.json", "w") as f:
             json.dump(summary, f, indent=1)
     if failed:

@@ -8,6 +8,7 @@
 #   bash bench/speed_tables.sh fixed          # tau at the paper's B = 64, W = 12 (OLD= and NEW= drafters)
 #   bash bench/speed_tables.sh estimator early_exit   # the verification head: sizing estimator, early exit
 #   DTYPE=float32 NUM=3 bash bench/speed_tables.sh t0
+#   LINEAR=torch bash bench/speed_tables.sh t0     # the target's linear layers (default auto: measured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -17,9 +18,10 @@ DTYPE=${DTYPE:-bfloat16}
 NUM=${NUM:-5}
 TOKENS=${TOKENS:-64}
 DEVICE=${DEVICE:-cpu}
+LINEAR=${LINEAR:-auto}
 mkdir -p "$OUT"
 common=(bench/e2e.py --target smollm2 --drafter "$DRAFTER" --sets gsm8k,humaneval,mtbench --num-prompts "$NUM"
-        --max-new-tokens "$TOKENS" --device "$DEVICE")
+        --max-new-tokens "$TOKENS" --device "$DEVICE" --linear "$LINEAR")
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(t0 t1 sweep fp32)
 for step in "${steps[@]}"; do

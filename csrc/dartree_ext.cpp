@@ -67,9 +67,16 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def(
       "vat_block_weights(Tensor accept, Tensor valid, int schedule, float decay_gamma) -> "
       "(Tensor first_reject, Tensor weights)");
+  // linear area (CPU only: a target's linear layers over the few rows of a verification forward)
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear_portable(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE
+namespace dartree {
+std::string few_rows_linear_path_name(const std::string& dtype);  // csrc/cpu/linear.cpp
+}
+
 namespace {
 
 pybind11::dict build_info() {
@@ -84,6 +91,10 @@ pybind11::dict build_info() {
   info["cuda_archs"] = DARTREE_CUDA_ARCHS;
   info["max_tree_nodes"] = dartree::kernels::kMaxNodes;
   info["max_heap_budget"] = dartree::kernels::kMaxHeapBudget;
+  pybind11::dict linear;  // which few_rows_linear path runs on this CPU, per dtype
+  linear["float32"] = dartree::few_rows_linear_path_name("float32");
+  linear["bfloat16"] = dartree::few_rows_linear_path_name("bfloat16");
+  info["few_rows_linear"] = linear;
   return info;
 }
 

@@ -163,32 +163,45 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="with --compare-ar: decode with the method and with "
                         "'ar' in turn this many times and report the median of the per-pair speedups (one "
                         "sub-second pair moves by 10-20%% on a shared CPU)")
-    parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype)")
+    parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype, same "
+                        "linear layers; with few_rows also with torch's)")
     parser.add_argument("--no-draft-vocab", action="store_true", help="draft over the full vocabulary even when "
                         "the drafter ships a reduced one")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="target dtype; 'auto' (default): bfloat16 on CUDA, on a CPU whichever runs a 1- and a "
                              "9-token forward faster here (measured once, cached). float32 output equals plain "
                              "decoding's exactly; bfloat16 only up to rounding (near-ties can flip)")
+    parser.add_argument("--linear", default="auto", choices=["auto", "torch", "few_rows"],
+                        help="the target's linear layers on a CPU: 'few_rows' runs inputs of <= 64 rows through "
+                             "dartree_ext's few_rows_linear (one read of the weights for all tree rows; "
+                             "batch-invariant), 'torch' through torch's GEMM; 'auto' (default): measured with the "
+                             "dtype, once, cached (plain decoding runs the same layers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser
 
 
 def _load_for_generate(args):
-    """The target (in the dtype ``--dtype`` asks for, measured once for ``auto``), its tokenizer,
-    the drafter, the budget, and the forward times the dtype choice was made from."""
-    from .decoding.cost import choose_dtype
+    """The target (in the dtype ``--dtype`` asks for and with the linear layers ``--linear`` asks
+    for, measured once for ``auto``), its tokenizer, the drafter, the budget, and the forward times
+    the choice was made from."""
+    from .decoding.cost import choose_forward
+    from .linear import set_linear
     from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
     target, dtype_ms = loaded.target, {}
-    if args.dtype == "auto":
-        dtype, dtype_ms = choose_dtype(target)
+    linear = "torch" if torch.device(args.device).type != "cpu" else args.linear
+    if args.dtype == "auto" or linear == "auto":
+        dtype, chosen, dtype_ms = choose_forward(target, (torch.float32, torch.bfloat16) if args.dtype == "auto"
+                                                 else (dtype,), ("torch", "few_rows") if linear == "auto" else (linear,))
+        linear = chosen
         target = target.to(dtype)
-        log.info("dtype %s (forward ms here: %s)", str(dtype).replace("torch.", ""),
+        log.info("dtype %s, linear %s (forward ms here: %s)", str(dtype).replace("torch.", ""), linear,
                  dtype_ms or "not measured: bfloat16 on CUDA")
+    set_linear(target, linear)
+    args.linear = linear
     budget = args.budget
     if budget == "auto" and args.method not in AUTO_METHODS:
         budget = 64
@@ -231,17 +244,33 @@ def _compare_with_ar(args, run, out, width: int) -> dict:
 
 
 def _compare_with_hf(args, target, ids, mask, out) -> dict:
-    """``--compare-hf``: HF greedy ``generate`` on the same prompts (after a 2-token warm-up)."""
+    """``--compare-hf``: HF greedy ``generate`` on the same prompts (after a 2-token warm-up), on
+    the same target; with ``few_rows`` linear layers also on torch's (HF as it runs without this
+    library)."""
+    from .linear import linear_kind, set_linear
     width = ids.shape[1]
     gen_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=mask.to(args.device))
-    target.generate(ids.to(args.device), **dict(gen_kw, max_new_tokens=2))
-    start = time.perf_counter()
-    hf = target.generate(ids.to(args.device), **gen_kw)
-    hf_seconds = time.perf_counter() - start
-    hf_tokens = int(hf.shape[1] - width) * hf.shape[0]
     per_token = out.stats.total_time / max(1, out.stats.new_tokens)
-    return {"hf_generate_s": round(hf_seconds, 4),
-            "speedup_vs_hf_generate": round(hf_seconds / max(1, hf_tokens) / max(1e-9, per_token), 3)}
+
+    def timed() -> tuple[float, float]:
+        target.generate(ids.to(args.device), **dict(gen_kw, max_new_tokens=2))
+        start = time.perf_counter()
+        hf = target.generate(ids.to(args.device), **gen_kw)
+        seconds = time.perf_counter() - start
+        hf_tokens = int(hf.shape[1] - width) * hf.shape[0]
+        return seconds, round(seconds / max(1, hf_tokens) / max(1e-9, per_token), 3)
+
+    seconds, speedup = timed()
+    result = {"hf_generate_s": round(seconds, 4), "speedup_vs_hf_generate": speedup}
+    kind = linear_kind(target)
+    if kind != "torch":
+        set_linear(target, "torch")
+        try:
+            seconds, speedup = timed()
+        finally:
+            set_linear(target, kind)
+        result.update(hf_generate_torch_linear_s=round(seconds, 4), speedup_vs_hf_generate_torch_linear=speedup)
+    return result
 
 
 def generate_main(argv: list[str] | None = None) -> int:
@@ -286,7 +315,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         new = out.sequences[b, width:width + out.stats.requests[b].new_tokens].tolist()
         print(f"--- prompt {b}: {text}\n{tok.decode(new, skip_special_tokens=True)}")
     summary = out.stats.summary()
-    summary.update(wall_s=round(seconds, 4), budget=budget, dtype=str(dtype).replace("torch.", ""),
+    summary.update(wall_s=round(seconds, 4), budget=budget, dtype=str(dtype).replace("torch.", ""), linear=args.linear,
                    dtype_forward_ms={k: round(v, 2) for k, v in dtype_ms.items()}, device=device_name(args.device))
     if torch.device(args.device).type == "cpu":
         summary.update(cpu_bf16_native=cpu_bf16_native(), threads=torch.get_num_threads())
@@ -307,6 +336,8 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--methods", default="chain,ddtree,dartree")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--linear", default="torch", choices=["torch", "few_rows"],
+                        help="the target's linear layers (as dartree-generate --linear; CPU only)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--nodes", default=None, help="comma-separated tree sizes (default 0,1,2,...,64)")
     parser.add_argument("--contexts", default=None, help="comma-separated cache lengths (default 64,512)")
@@ -338,6 +369,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
     from .decoding import SpeculativeDecoder
     from .decoding.cost import DEFAULT_CONTEXTS, DEFAULT_NODES, _key_path, cached_cost_model, cost_key, measure_cost_model
+    from .linear import set_linear
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
     args = build_profile_parser().parse_args(argv)
@@ -347,6 +379,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.methods.split(",") if m]
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=getattr(torch, args.dtype),
                          device=args.device)
+    set_linear(loaded.target, args.linear)
     drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target).to(device=args.device)
     builders = {m: SpeculativeDecoder(loaded.target, drafter, m, budget=max(1, max(nodes))).build_tree
                 for m in methods if m != "ar"}
@@ -356,7 +389,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     else:
         cost = cached_cost_model(loaded.target, drafter, refresh=args.refresh, **kw)
         print(f"cached at {_key_path(cost_key(loaded.target, drafter, args.device, nodes, contexts, methods))}")
-    print(f"{loaded.name} {args.dtype} on {cost.meta.get('device')} ({cost.meta.get('threads')} threads): "
+    print(f"{loaded.name} {args.dtype} ({args.linear} linear) on {cost.meta.get('device')} ({cost.meta.get('threads')} threads): "
           f"drafter pass {cost.draft_ms:.2f} ms; tree " +
           ", ".join(f"{m} {v:.2f} ms" for m, v in cost.tree_ms.items()))
     print("target forward ms (root + n nodes):")

@@ -20,7 +20,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
+           "expand_depth", "few_rows_linear", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
 MAX_TREE_NODES = 8192
@@ -129,6 +129,22 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Te
     """
     _maybe_check(parents, num_nodes, validate, "verify_tree")
     return _ops.verify_tree.default(tokens, parents, num_nodes, target_tokens)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows of ``x`` (at most 256; CPU, float32 or bfloat16):
+    the linear layers of a verification forward.
+
+    ``x [..., K]``, ``weight [N, K]`` (contiguous, the dtype of ``x``), ``bias [N]`` or ``None``.
+    Each weight row is read once per call and dotted with every row of ``x`` (a library GEMM packs
+    the weights on each call, so its cost grows with the rows long before the arithmetic does).
+    Batch-invariant: row ``m`` of the result is bit-identical to the result for ``x[m]`` alone, so a
+    tree verification rounds like a plain step. Products accumulate in float32 (bfloat16 weights
+    are widened exactly; the result is rounded once, at the end). AVX-512 (F, and BW + VL for
+    bfloat16) where the CPU has it, a portable loop otherwise (``build_info()["few_rows_linear"]``
+    says which). ``bias`` has the dtype of ``x``. No autograd.
+    """
+    return _ops.few_rows_linear.default(x, weight, bias)
 
 
 def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_parents: torch.Tensor,
@@ -396,6 +412,17 @@ def _compact_kv_paged_fake(caches, block_table, src_positions, dst_start, length
     _check_same_device("compact_kv_paged_", block_table=block_table, src_positions=src_positions,
                        dst_start=dst_start, lengths=lengths, **{f"caches[{i}]": c for i, c in enumerate(caches)})
     return None
+
+
+@torch.library.register_fake("dartree_ext::few_rows_linear")
+def _few_rows_linear_fake(x, weight, bias):
+    _check_same_device("few_rows_linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("dartree_ext::few_rows_linear_portable")
+def _few_rows_linear_portable_fake(x, weight, bias):
+    return _few_rows_linear_fake(x, weight, bias)
 
 
 @torch.library.register_fake("dartree_ext::compact_kv_")

@@ -295,6 +295,12 @@ def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus
 
 # kv area ---------------------------------------------------------------------------------------
 
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32, rounded to the dtype of ``x`` once."""
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
                 lengths: torch.Tensor) -> None:
     """Gather every moved row first, then write: correct for any source order."""

@@ -33,7 +33,9 @@ def test_generate_cli_defaults_auto_budget_and_dtype(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{"):])
     assert summary["budget"] == "auto" and summary["dtype"] in ("float32", "bfloat16")
-    assert set(summary["dtype_forward_ms"]) == {"float32", "bfloat16"}
+    assert set(summary["dtype_forward_ms"]) == {"float32", "bfloat16", "float32+few_rows", "bfloat16+few_rows"}
+    assert summary["linear"] in ("torch", "few_rows")
+    assert ("speedup_vs_hf_generate_torch_linear" in summary) == (summary["linear"] == "few_rows")
     assert summary["speedup_vs_ar"] > 0 and summary["speedup_vs_hf_generate"] > 0
     assert summary["new_tokens"] == 6 and "plain_rounds" in summary
     cached = sorted(os.listdir(tmp_path / "cost"))
@@ -203,3 +205,6 @@ def test_profile_cli_measures_caches_and_writes_the_cost_model(tmp_path, monkeyp
     assert len(os.listdir(tmp_path / "cache" / "cost")) == 1
     assert profile_main(args) == 0  # read back from the cache, not measured again
     assert len(os.listdir(tmp_path / "cache" / "cost")) == 1
+    assert profile_main(args + ["--linear", "few_rows"]) == 0  # another set-up: another cache entry
+    assert "(few_rows linear)" in capsys.readouterr().out
+    assert len(os.listdir(tmp_path / "cache" / "cost")) == 2

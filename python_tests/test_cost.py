@@ -195,7 +195,8 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
     dtype, ms = costmod.choose_dtype(target, tokens=(1, 9))
     assert dtype == torch.bfloat16 and ms == {"float32": 10.0, "bfloat16": 6.0}
     assert next(target.parameters()).dtype == torch.float32          # measured on a copy
-    assert costmod.choose_dtype(target, tokens=(1, 9))[0] == torch.bfloat16 and len(calls) == 4
+    assert len(calls) == 3 * 2 * 2                    # every dtype and size, 3 repetitions in turn
+    assert costmod.choose_dtype(target, tokens=(1, 9))[0] == torch.bfloat16 and len(calls) == 12
     times[torch.bfloat16] = 8.0
     assert costmod.choose_dtype(target, tokens=(1, 9), refresh=True)[0] == torch.float32
 

@@ -281,6 +281,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
              nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
     from .. import __version__
+    from ..linear import linear_kind
     param = next(target.parameters())
     cfg = target.config.to_json_string(use_diff=False) if hasattr(target.config, "to_json_string") else str(
         target.config)
@@ -294,6 +295,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
+        **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
     }
 
 
@@ -489,21 +491,36 @@ def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 6
     return statistics.median(samples)
 
 
-def choose_dtype(model: torch.nn.Module, candidates: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
-                 tokens: Sequence[int] = (1, 9), reps: int = 3, refresh: bool = False) -> tuple[torch.dtype, dict]:
-    """The fastest of ``candidates`` for this model on this machine: the sum of the forward
-    times over ``tokens`` new tokens (a plain step and a small tree), measured on copies of
-    ``model`` and cached like the cost model. On CUDA bf16 is taken without measuring. Returns
-    ``(dtype, {dtype name: ms})``."""
+def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+                   linears: Sequence[str] = ("torch", "few_rows"), tokens: Sequence[int] = (1, 9), reps: int = 5,
+                   refresh: bool = False) -> tuple[torch.dtype, str, dict]:
+    """The fastest target set-up on this machine: a dtype of ``dtypes`` and how the linear layers
+    run (``"torch"``, or ``"few_rows"``: :func:`dartree_ext.linear.use_few_rows_linear`), by the
+    sum of the forward times over ``tokens`` new tokens (a plain step and a small tree), measured
+    on copies of ``model`` (every set-up in turn, ``reps`` times; the median) and cached like the
+    cost model. Off the CPU: torch's linear, and
+    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows]": ms})``."""
     import copy
+
+    from .. import __version__, build_info
+    from ..linear import DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, set_linear
     param = next(model.parameters())
-    if param.device.type == "cuda" and torch.bfloat16 in candidates:
-        return torch.bfloat16, {}
-    from .. import __version__
+    if not dtypes or not linears:
+        raise ValueError("choose_forward needs at least one dtype and one linear")
+    for kind in linears:
+        if kind not in ("torch", "few_rows"):
+            raise ValueError(f"linears must be 'torch' or 'few_rows', got {kind!r}")
+    if param.device.type != "cpu":
+        linears = ("torch",)
+        if torch.bfloat16 in dtypes:
+            return torch.bfloat16, "torch", {}
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
     key = {"kind": "dtype", "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
            "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "device": device_name(param.device),
-           "threads": torch.get_num_threads(), "candidates": [str(c) for c in candidates], "tokens": list(tokens)}
+           "threads": torch.get_num_threads(), "candidates": [str(c) for c in dtypes], "tokens": list(tokens)}
+    if list(linears) != ["torch"]:
+        key["linears"] = list(linears)
+        key["few_rows_linear"] = build_info().get("few_rows_linear")
     path = _key_path(key)
     times = None
     if not refresh and os.path.isfile(path):
@@ -515,13 +532,32 @@ def choose_dtype(model: torch.nn.Module, candidates: Sequence[torch.dtype] = (to
         except (OSError, ValueError, KeyError) as e:
             log.warning("ignoring an unreadable dtype choice %s (%s)", path, e)
     if times is None:
-        times = {}
-        for dtype in candidates:
-            trial = model if param.dtype == dtype else copy.deepcopy(model).to(dtype)
-            times[str(dtype).replace("torch.", "")] = sum(_forward_ms(trial, n, reps) for n in tokens)
-            del trial
+        # every set-up once per repetition, in turn, so the machine's drift touches all alike
+        original, max_rows = linear_kind(model), few_rows_max_rows(model)
+        samples: dict[str, list[float]] = {}
+        try:
+            trials = [(dtype, model if param.dtype == dtype else copy.deepcopy(model).to(dtype)) for dtype in dtypes]
+            for _ in range(reps):
+                for dtype, trial in trials:
+                    for kind in linears:
+                        set_linear(trial, kind)
+                        name = str(dtype).replace("torch.", "") + ("+few_rows" if kind == "few_rows" else "")
+                        samples.setdefault(name, []).append(sum(_forward_ms(trial, n, 1) for n in tokens))
+        finally:
+            set_linear(model, original, max_rows or DEFAULT_MAX_ROWS)
+            trials = None
+        times = {name: statistics.median(values) for name, values in samples.items()}
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"key": key, "ms": times}, f)
     best = min(times, key=times.get)
-    return getattr(torch, best), times
+    name, _, kind = best.partition("+")
+    return getattr(torch, name), (kind or "torch"), times
+
+
+def choose_dtype(model: torch.nn.Module, candidates: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+                 tokens: Sequence[int] = (1, 9), reps: int = 3, refresh: bool = False) -> tuple[torch.dtype, dict]:
+    """The fastest of ``candidates`` for this model on this machine with torch's linear layers
+    (:func:`choose_forward` with ``linears=("torch",)``). Returns ``(dtype, {dtype name: ms})``."""
+    dtype, _, times = choose_forward(model, candidates, ("torch",), tokens, reps, refresh)
+    return dtype, times

@@ -1,0 +1,97 @@
+"""A model's linear layers through :func:`dartree_ext.ops.few_rows_linear` for small inputs.
+
+On a CPU a verification forward runs every linear layer of the target over root + tree rows (a
+few dozen at most). A library GEMM packs the weight matrix on every call once there is more than
+one row, so its time grows with the rows long before the arithmetic does; ``few_rows_linear``
+reads each weight row once and dots it with all the rows. Whether that is faster depends on the
+CPU: :func:`dartree_ext.decoding.cost.choose_forward` measures it (with the dtype) and the CLIs
+use what it picks.
+
+    from dartree_ext.linear import use_few_rows_linear
+    use_few_rows_linear(target)         # every nn.Linear: few_rows_linear for <= 65 rows on the CPU
+    restore_torch_linear(target)        # back to torch.nn.functional.linear
+
+Patched layers keep ``torch.nn.functional.linear`` for larger inputs (a prefill), other devices
+and dtypes, non-contiguous weights, and whenever autograd needs the graph. A patched model's
+outputs differ from an unpatched one's by rounding only; plain decoding and speculative decoding
+with the same patched model are compared like for like.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+DEFAULT_MAX_ROWS = 65  # a 64-node tree and its root
+_FLAG = "_dartree_few_rows"
+
+
+def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = self.weight, self.bias
+    if (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() >= 1 and 0 < x.numel() <= getattr(self, _FLAG) * x.shape[-1] and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype)
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        return ops.few_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``nn.Linear``'s own (not a quantized subclass, not a hooked
+    instance): only those are patched, since the fallback is ``F.linear``."""
+    return (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+            and ("forward" not in module.__dict__ or hasattr(module, _FLAG)))
+
+
+def use_few_rows_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Route every plain ``nn.Linear`` of ``model`` through ``few_rows_linear`` for inputs of at
+    most ``max_rows`` rows (1..256). Subclasses with their own forward (quantized layers) and
+    layers whose instance forward is already replaced (hooks) are left alone. Returns how many
+    layers were patched; calling it again updates ``max_rows``. A patched model pickles only after
+    :func:`restore_torch_linear`."""
+    if not 1 <= max_rows <= 256:
+        raise ValueError(f"max_rows must be in [1, 256], got {max_rows}")
+    count = 0
+    for module in model.modules():
+        if _plain_linear(module):
+            setattr(module, _FLAG, int(max_rows))
+            module.forward = types.MethodType(_few_rows_forward, module)
+            count += 1
+    return count
+
+
+def restore_torch_linear(model: torch.nn.Module) -> int:
+    """Undo :func:`use_few_rows_linear`. Returns how many layers were restored."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and hasattr(module, _FLAG):
+            delattr(module, _FLAG)
+            if "forward" in module.__dict__:
+                del module.forward
+            count += 1
+    return count
+
+
+def linear_kind(model: torch.nn.Module) -> str:
+    """``"few_rows"`` when ``model``'s linear layers are patched, else ``"torch"``."""
+    return "few_rows" if any(hasattr(m, _FLAG) for m in model.modules() if isinstance(m, torch.nn.Linear)) \
+        else "torch"
+
+
+def few_rows_max_rows(model: torch.nn.Module) -> int | None:
+    """The ``max_rows`` of ``model``'s patched layers (``None`` when none is patched)."""
+    return next((getattr(m, _FLAG) for m in model.modules() if hasattr(m, _FLAG)), None)
+
+
+def set_linear(model: torch.nn.Module, kind: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+    """``kind`` = ``"few_rows"`` or ``"torch"``: patch or restore ``model``'s linear layers."""
+    if kind == "few_rows":
+        use_few_rows_linear(model, max_rows)
+    elif kind == "torch":
+        restore_torch_linear(model)
+    else:
+        raise ValueError(f"linear must be 'few_rows' or 'torch', got {kind!r}")

@@ -1,0 +1,248 @@
+"""few_rows_linear (the CPU linear for a verification forward's few rows) against its reference,
+its batch invariance, bad input, the model patch and the measured choice of it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dartree_ext
+from dartree_ext import ops, reference
+from dartree_ext.decoding import cost as costmod
+from dartree_ext.linear import (DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, restore_torch_linear, set_linear,
+                                use_few_rows_linear)
+from dartree_ext.loading import tiny_target
+
+OPS = {"fast": torch.ops.dartree_ext.few_rows_linear, "portable": torch.ops.dartree_ext.few_rows_linear_portable}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _inputs(rows, k, n, dtype, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check_close(y, x, w, b):
+    ref = reference.few_rows_linear(x, w, b).float()
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    # float32 accumulation error, then (bfloat16) one rounding of the result
+    scale = (x.double().abs() @ w.double().abs().T).max().item() + 1.0
+    tol = 1e-5 * scale + (exact.abs() * 2.0 ** -8 if y.dtype == torch.bfloat16 else 0.0)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert bool(((y.double() - exact).abs() <= tol).all()), (y.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("path", ["fast", "portable"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 583, 1539), (23, 64, 9), (65, 31, 4), (13, 1, 3),
+                                      (6, 33, 1), (256, 40, 17)])
+def test_matches_reference(path, dtype, rows, k, n):
+    x, w, b = _inputs(rows, k, n, dtype, seed=rows * 1000 + k)
+    _check_close(OPS[path](x, w, b), x, w, b)
+    _check_close(OPS[path](x, w, None), x, w, None)
+
+
+@pytest.mark.parametrize("path", ["fast", "portable"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant(path, dtype):
+    """Row m of a batch is bit-identical to that row alone, and to it inside any other batch."""
+    x, w, b = _inputs(29, 583, 1031, dtype, seed=3)
+    y = OPS[path](x, w, b)
+    for m in range(29):
+        assert torch.equal(OPS[path](x[m:m + 1], w, b), y[m:m + 1]), m
+    assert torch.equal(OPS[path](x[5:22], w, b), y[5:22])
+    assert torch.equal(OPS[path](x.flip(0), w, b).flip(0), y)
+    assert torch.equal(OPS[path](x.view(29, 1, 583), w, b).view(29, 1031), y)   # leading dims kept
+    # a weight row in another kind of block (4-row blocks shift, single rows at the end)
+    for skip in (1, 2, 3, 1029):
+        assert torch.equal(OPS[path](x, w[skip:], b[skip:]), y[:, skip:]), skip
+    for threads in (1, 3):                                                  # another split of the rows
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(OPS[path](x, w, b), y)
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_fast_path_where_the_cpu_has_it():
+    """On a CPU with AVX-512F/BW/VL the build must take the vector path (else this test is the
+    portable path twice)."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    info = dartree_ext.build_info()["few_rows_linear"]
+    assert info["float32"] == ("avx512" if "avx512f" in flags else "generic")
+    assert info["bfloat16"] == ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "generic")
+
+
+def test_hand_built():
+    eye = torch.eye(40)
+    x = torch.randn(5, 40)
+    assert torch.equal(ops.few_rows_linear(x, eye), x)                   # exact: one product per sum
+    assert torch.equal(ops.few_rows_linear(x.bfloat16(), eye.bfloat16()), x.bfloat16())
+    ones = torch.ones(3, 40)
+    assert torch.equal(ops.few_rows_linear(ones, torch.ones(2, 40), torch.tensor([1.0, -1.0])),
+                       torch.tensor([[41.0, 39.0]] * 3))
+    assert ops.few_rows_linear(torch.randn(0, 40), eye).shape == (0, 40)
+    assert torch.equal(ops.few_rows_linear(torch.randn(3, 0), torch.randn(2, 0), torch.tensor([1.0, 2.0])),
+                       torch.tensor([[1.0, 2.0]] * 3))                   # K = 0: the bias
+    v = torch.randn(40)
+    assert torch.equal(ops.few_rows_linear(v, eye), v)                  # 1-D x
+    wide = torch.randn(5, 80)[:, ::2]                                   # non-contiguous x
+    assert torch.equal(ops.few_rows_linear(wide, eye), ops.few_rows_linear(wide.contiguous(), eye))
+
+
+def test_bad_input():
+    x, w, b = _inputs(4, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.few_rows_linear(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.few_rows_linear(x.half(), w.half())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.few_rows_linear(x, torch.randn(16, 8).T)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.few_rows_linear(torch.randn(4, 15), w)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        ops.few_rows_linear(torch.randn(257, 16), w)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.few_rows_linear(x, w, torch.randn(7))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.few_rows_linear(x, w, torch.randn(8, dtype=torch.float64))
+
+
+def test_opcheck():
+    x, w, b = _inputs(5, 24, 12, torch.float32)
+    torch.library.opcheck(torch.ops.dartree_ext.few_rows_linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.dartree_ext.few_rows_linear.default, (x.bfloat16(), w.bfloat16(), None))
+
+
+def test_build_info_names_the_path():
+    info = dartree_ext.build_info()["few_rows_linear"]
+    assert set(info) == {"float32", "bfloat16"} and set(info.values()) <= {"avx512", "generic"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_patched_model(dtype):
+    model = tiny_target(dtype=dtype)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert use_few_rows_linear(model, max_rows=32) == 4 * 7 + 1 and linear_kind(model) == "few_rows"
+        assert few_rows_max_rows(model) == 32
+        calls = []
+        real = ops.few_rows_linear
+        try:
+            ops.few_rows_linear = lambda *a: calls.append(a[0].shape) or real(*a)
+            patched = model(ids).logits
+            assert len(calls) == 29                                       # every layer, 18 rows
+            calls.clear()
+            assert model(torch.randint(0, 256, (2, 17))).logits.shape[:2] == (2, 17)
+            assert not calls                                             # 34 rows > 32: torch's GEMM
+        finally:
+            ops.few_rows_linear = real
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(patched.float(), before.float(), atol=tol, rtol=tol)
+    assert restore_torch_linear(model) == 29 and linear_kind(model) == "torch"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_patched_model_keeps_autograd():
+    model = tiny_target()
+    use_few_rows_linear(model)
+    loss = model(torch.randint(0, 256, (1, 5))).logits.sum()
+    loss.backward()                                                       # F.linear while grads are needed
+    assert all(p.grad is not None for p in model.lm_head.parameters())
+    layer = torch.nn.Linear(6, 3)
+    layer.weight.requires_grad_(False)                                    # only the bias trains
+    use_few_rows_linear(layer)
+    layer(torch.randn(2, 6)).sum().backward()
+    assert layer.bias.grad is not None and torch.equal(layer.bias.grad, torch.full((3,), 2.0))
+
+
+def test_patch_leaves_other_linears_alone():
+    class Scaled(torch.nn.Linear):                                       # a subclass with its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Scaled(4, 4), torch.nn.Linear(4, 4))
+    hooked = model[2]
+    hooked.forward = lambda x: torch.zeros(x.shape[0], 4)                 # an instance forward (a hook)
+    assert use_few_rows_linear(model) == 1 and linear_kind(model[1]) == "torch"
+    with torch.no_grad():
+        assert torch.equal(model(torch.randn(3, 4)), torch.zeros(3, 4))
+    restore_torch_linear(model)
+    assert "forward" in hooked.__dict__                                   # not removed
+    with pytest.raises(ValueError, match="max_rows"):
+        use_few_rows_linear(model, max_rows=0)
+    with pytest.raises(ValueError, match="linear must be"):
+        set_linear(model, "fast")
+
+
+def test_greedy_decoding_lossless_with_few_rows():
+    """Plain decoding and every tree method share the patched target: T = 0 outputs are equal."""
+    from dartree_ext.decoding.decoder import SpeculativeDecoder
+    from dartree_ext.models import BlockDrafter
+    target = tiny_target()
+    use_few_rows_linear(target)
+    torch.manual_seed(1)
+    drafter = BlockDrafter.from_target(target).eval()
+    prompts = torch.randint(1, 256, (2, 12))
+    ref = SpeculativeDecoder(target, None, "ar").generate(prompts, max_new_tokens=24).sequences
+    rows = []
+    real = ops.few_rows_linear
+    try:
+        ops.few_rows_linear = lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a)
+        for method in ("chain", "dartree", "ddtree"):
+            out = SpeculativeDecoder(target, drafter, method, budget=16).generate(prompts, max_new_tokens=24)
+            assert torch.equal(out.sequences, ref), method
+    finally:
+        ops.few_rows_linear = real
+    assert max(rows) > 2                                                  # the trees went through the op
+    assert DEFAULT_MAX_ROWS >= 65                                         # a 64-node tree and its root
+
+
+def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
+    times = {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0, (torch.float32, "few_rows"): 4.0,
+             (torch.bfloat16, "few_rows"): 2.0}
+    calls = []
+
+    def fake_forward(model, tokens, reps, context=64):
+        calls.append(tokens)
+        return times[(next(model.parameters()).dtype, linear_kind(model))]
+
+    monkeypatch.setattr(costmod, "_forward_ms", fake_forward)
+    target = tiny_target()
+    dtype, linear, ms = costmod.choose_forward(target, tokens=(1, 9), reps=1)
+    assert (dtype, linear) == (torch.bfloat16, "few_rows")
+    assert ms == {"float32": 10.0, "float32+few_rows": 8.0, "bfloat16": 6.0, "bfloat16+few_rows": 4.0}
+    assert linear_kind(target) == "torch" and next(target.parameters()).dtype == torch.float32  # untouched
+    use_few_rows_linear(target, max_rows=7)
+    costmod.choose_forward(target, tokens=(1, 9), reps=1, refresh=True)
+    assert few_rows_max_rows(target) == 7                                 # restored as it was
+    restore_torch_linear(target)
+    calls.clear()
+    assert costmod.choose_forward(target, tokens=(1, 9), reps=1)[:2] == (torch.bfloat16, "few_rows")
+    assert len(calls) == 0                                                # cached
+    # torch's linear only: a different cache entry (the dtype choice of before)
+    assert costmod.choose_dtype(target, tokens=(1, 9), reps=1) == (torch.bfloat16, {"float32": 10.0, "bfloat16": 6.0})
+    assert len(calls) == 4
+    assert costmod.choose_forward(target, (torch.float32,), tokens=(1, 9), reps=1)[:2] == (torch.float32, "few_rows")
+    with pytest.raises(ValueError, match="linears"):
+        costmod.choose_forward(target, linears=("fast",))
+
+
+def test_cost_key_names_the_linear():
+    target = tiny_target()
+    key = costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"])
+    use_few_rows_linear(target)
+    assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(key, linear="few_rows")
