@@ -108,9 +108,17 @@ __attribute__((target("avx512f"))) void block_f32(const Problem<float>& p, int64
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t full = p.in / 16 * 16;
+  // The first pass over this block's rows streams them from memory: fetch the next block's rows
+  // meanwhile, a cache line per row a step (a hint: never faults, harmless past the matrix). On a
+  // 2-vCPU Xeon this halved the time at 1 row and cut it by a third at 16 (bench/linear_speed.py).
+  const int64_t ahead = m0 == 0 ? NB * p.in : 0;
 #define DARTREE_FMA_F32(acc, x, w) _mm512_fmadd_ps(x, w, acc)
   int64_t k = 0;
   for (; k < full; k += 16) {
+    if (ahead != 0) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
+    }
 #define DARTREE_LOAD(ptr) _mm512_loadu_ps(ptr)
     DARTREE_LINEAR_STEP(__m512, DARTREE_LOAD, DARTREE_FMA_F32)
 #undef DARTREE_LOAD
@@ -150,9 +158,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t full = p.in / 16 * 16;
+  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
   int64_t k = 0;
   for (; k < full; k += 16) {
     __m512 w[NB];
+    if (ahead != 0 && (k & 31) == 0) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
+    }
     _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16(wp[i] + k);
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
       const __m512 x = _mm512_loadu_ps(xp[j] + k);
