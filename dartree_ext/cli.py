@@ -172,7 +172,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
                              "9-token forward faster here (measured once, cached). float32 output equals plain "
                              "decoding's exactly; bfloat16 only up to rounding (near-ties can flip)")
     parser.add_argument("--linear", default="auto", choices=["auto", "torch", "few_rows"],
-                        help="the target's linear layers on a CPU: 'few_rows' runs inputs of <= 64 rows through "
+                        help="the target's linear layers on a CPU: 'few_rows' runs inputs of <= 65 rows through "
                              "dartree_ext's few_rows_linear (one read of the weights for all tree rows; "
                              "batch-invariant), 'torch' through torch's GEMM; 'auto' (default): measured with the "
                              "dtype, once, cached (plain decoding runs the same layers)")

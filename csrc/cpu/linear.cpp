@@ -239,11 +239,19 @@ void linear_avx512(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
       block<T>(p, n, m, 1, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
 }
 
-bool has_avx512f() { return __builtin_cpu_supports("avx512f"); }
-bool has_avx512bw() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}
 #endif
+
+// Whether this CPU runs the AVX-512 path for a dtype (AVX-512F; BW + VL too for bfloat16),
+// decided once.
+bool vector_path(at::ScalarType dtype) {
+#ifdef DARTREE_AVX512_LINEAR
+  static const bool f32 = __builtin_cpu_supports("avx512f");
+  static const bool bf16 = f32 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return dtype == at::kBFloat16 ? bf16 : f32;
+#else
+  return false;
+#endif
+}
 
 template <typename T>
 void run(const Problem<T>& p, bool vector) {
@@ -254,15 +262,6 @@ void run(const Problem<T>& p, bool vector) {
 #endif
     linear_generic(p, begin, end);
   });
-}
-
-// Which path runs: "avx512" (AVX-512F, and BW + VL for bfloat16) or "generic".
-std::string few_rows_linear_path(at::ScalarType dtype) {
-#ifdef DARTREE_AVX512_LINEAR
-  if (dtype == at::kFloat && has_avx512f()) return "avx512";
-  if (dtype == at::kBFloat16 && has_avx512bw()) return "avx512";
-#endif
-  return "generic";
 }
 
 at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -296,7 +295,7 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
   if (rows == 0 || out == 0) return y;
-  vector = vector && few_rows_linear_path(x.scalar_type()) == "avx512";
+  vector = vector && vector_path(x.scalar_type());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
     run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, vector);
@@ -319,8 +318,9 @@ at::Tensor few_rows_linear_portable(const at::Tensor& x, const at::Tensor& weigh
 
 }  // namespace
 
+// Which path runs for a dtype: "avx512" or "generic" (build_info()["few_rows_linear"]).
 std::string few_rows_linear_path_name(const std::string& dtype) {
-  return few_rows_linear_path(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+  return vector_path(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat) ? "avx512" : "generic";
 }
 
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
