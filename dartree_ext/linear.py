@@ -11,6 +11,9 @@ use what it picks.
     use_few_rows_linear(target)         # every nn.Linear: few_rows_linear for <= 65 rows on the CPU
     restore_torch_linear(target)        # back to torch.nn.functional.linear
 
+:func:`dartree_ext.loading.load_drafter` gives a drafter the target's set-up (its layers and its
+head over a draft vocabulary), so the drafter pass of a round gains as the verification does.
+
 Patched layers keep ``torch.nn.functional.linear`` for larger inputs (a prefill), other devices
 and dtypes, non-contiguous weights, and whenever autograd needs the graph. A patched model's
 outputs differ from an unpatched one's by rounding only; plain decoding and speculative decoding
@@ -29,13 +32,31 @@ DEFAULT_MAX_ROWS = 65  # a 64-node tree and its root
 _FLAG = "_dartree_few_rows"
 
 
-def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight, bias = self.weight, self.bias
-    if (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
-            and x.dim() >= 1 and 0 < x.numel() <= getattr(self, _FLAG) * x.shape[-1] and weight.is_contiguous()
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> bool:
+    """Whether ``few_rows_linear`` takes this call: CPU, float32 / bfloat16 like the weight, at most
+    ``max_rows`` rows, a contiguous weight, and no autograd graph wanted."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() >= 1 and 0 < x.numel() <= max_rows * x.shape[-1] and weight.is_contiguous()
             and (bias is None or bias.dtype == x.dtype)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
+                                                  or (bias is not None and bias.requires_grad))))
+
+
+def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = self.weight, self.bias
+    if _fits(x, weight, bias, getattr(self, _FLAG)):
+        return ops.few_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_as(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` run the way ``layer`` (an ``nn.Linear``) runs: through
+    ``few_rows_linear`` when ``layer`` is patched and the call qualifies, else ``F.linear``. For a
+    product a model computes outside its ``nn.Linear`` layers (a drafter's head over a draft
+    vocabulary) that should follow the model's linear set-up."""
+    max_rows = getattr(layer, _FLAG, None)
+    if max_rows is not None and _fits(x, weight, bias, max_rows):
         return ops.few_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -112,14 +112,21 @@ def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft
     """A saved drafter (directory; an :class:`Eagle3Drafter` where it holds its config) attached
     to ``target``, or with ``None`` a freshly initialised one (an :class:`Eagle3Drafter` with
     ``eagle3=True``; random: expect almost no accepted tokens). ``draft_vocab=False`` ignores a
-    saved draft vocabulary (drafts over the full one)."""
+    saved draft vocabulary (drafts over the full one). The drafter's linear layers run as the
+    target's do when it is loaded (:func:`dartree_ext.linear.set_linear`: ``few_rows`` or
+    ``torch``), so set the target's first."""
+    from .linear import few_rows_max_rows, linear_kind, set_linear
     if spec:
         kind = Eagle3Drafter if os.path.isfile(os.path.join(spec, EAGLE3_CONFIG_NAME)) else BlockDrafter
-        return kind.from_pretrained(spec, target, use_draft_vocab=draft_vocab).eval()
-    log.warning("no drafter given: using a randomly initialised one (its drafts will rarely be accepted)")
-    torch.manual_seed(seed)
-    kind = Eagle3Drafter if eagle3 else BlockDrafter
-    return kind.from_target(target).to(next(target.parameters()).dtype).eval()
+        drafter = kind.from_pretrained(spec, target, use_draft_vocab=draft_vocab).eval()
+    else:
+        log.warning("no drafter given: using a randomly initialised one (its drafts will rarely be accepted)")
+        torch.manual_seed(seed)
+        kind = Eagle3Drafter if eagle3 else BlockDrafter
+        drafter = kind.from_target(target).to(next(target.parameters()).dtype).eval()
+    if linear_kind(target) == "few_rows":
+        set_linear(drafter, "few_rows", few_rows_max_rows(target))
+    return drafter
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -61,6 +61,23 @@ def test_interpolation_in_nodes_and_context():
 
 
 # the chooser ------------------------------------------------------------------------------------
+def test_verify_upto_matches_verify():
+    """The chooser's table of every n equals verify(n) point by point: inside and past the node
+    and context grids, below the first context, with one context and with several."""
+    import random
+    rng = random.Random(0)
+    for _ in range(100):
+        nodes = [0] + sorted(rng.sample(range(1, 80), rng.randint(1, 6)))
+        contexts = sorted(rng.sample(range(0, 3000), rng.randint(1, 4)))
+        base = sorted(rng.uniform(1, 50) for _ in nodes)
+        scales = [rng.uniform(0.6, 1.5) for _ in contexts]  # a longer context may even measure cheaper
+        cost = CostModel(nodes=nodes, contexts=contexts, verify_ms=[[b * f for b in base] for f in scales])
+        for context in (-5, contexts[0], rng.uniform(0, 4000), contexts[-1], contexts[-1] + 500):
+            n_max = rng.randint(0, 150)
+            assert cost.verify_upto(n_max, context) == pytest.approx([cost.verify(n, context) for n in range(n_max + 1)],
+                                                                     rel=1e-12)
+
+
 def test_chooser_step_cost():
     """Verification costs 10 ms up to 8 nodes and 20 past them; each node adds 0.5 expected
     tokens: (1 + 4) / 10 at n = 8 beats (1 + 8) / 20 at n = 16 and every smaller tree."""

@@ -246,3 +246,56 @@ def test_cost_key_names_the_linear():
     key = costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"])
     use_few_rows_linear(target)
     assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(key, linear="few_rows")
+
+
+def test_cost_key_names_the_drafters_linear():
+    from dartree_ext.models import BlockDrafter
+    target = tiny_target()
+    drafter = BlockDrafter.from_target(target).eval()
+    key = costmod.cost_key(target, drafter, "cpu", [0, 1], [64], ["dartree"])
+    use_few_rows_linear(drafter)
+    assert costmod.cost_key(target, drafter, "cpu", [0, 1], [64], ["dartree"]) == dict(key, drafter_linear="few_rows")
+
+
+def test_linear_as_follows_the_layer(monkeypatch):
+    """linear_as runs few_rows_linear only where the layer is patched and the call qualifies."""
+    layer = torch.nn.Linear(32, 8)
+    x, w, b = _inputs(3, 32, 40, torch.float32)
+    calls = []
+    real = ops.few_rows_linear
+    monkeypatch.setattr(ops, "few_rows_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    from dartree_ext.linear import linear_as
+    torch.testing.assert_close(linear_as(layer, x, w, b), torch.nn.functional.linear(x, w, b))
+    assert calls == []                                                    # not patched: F.linear
+    use_few_rows_linear(layer, max_rows=3)
+    _check_close(linear_as(layer, x, w, b), x, w, b)
+    assert calls == [x.shape]
+    linear_as(layer, torch.cat([x, x]), w, b)                             # 6 rows > max_rows: F.linear
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_load_drafter_follows_the_targets_linear(patched, monkeypatch):
+    """A drafter loaded for a patched target runs its layers and its draft-vocabulary head through
+    few_rows_linear; its drafts equal the unpatched drafter's up to rounding."""
+    from dartree_ext.loading import load_drafter
+    target = tiny_target()
+    if patched:
+        use_few_rows_linear(target, max_rows=40)
+    drafter = load_drafter(None, target).set_draft_vocab(list(range(0, 256, 2)))
+    assert linear_kind(drafter) == ("few_rows" if patched else "torch")
+    assert few_rows_max_rows(drafter) == (40 if patched else None)
+    shapes = []
+    real = ops.few_rows_linear
+    monkeypatch.setattr(ops, "few_rows_linear", lambda x, *a: shapes.append(tuple(a[0].shape)) or real(x, *a))
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 6, target.config.hidden_size * len(drafter.config.target_layer_ids), generator=gen)
+    args = (torch.tensor([5, 7]), torch.tensor([6, 6]))
+    rest = (torch.arange(6)[None].expand(2, -1), torch.ones(2, 6, dtype=torch.bool))
+    with torch.no_grad():
+        out = drafter(*args, drafter.project_context(features), *rest)
+        restore_torch_linear(drafter)
+        ref = drafter(*args, drafter.project_context(features), *rest)
+    head = (128, target.config.hidden_size)                               # the draft vocabulary's rows
+    assert (head in shapes) == patched and bool(shapes) == patched
+    torch.testing.assert_close(out.base_logits, ref.base_logits, atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
@@ -28,8 +29,6 @@
 namespace dartree {
 namespace {
 
-constexpr int64_t kRowBlock = 4;   // weight rows per register block
-constexpr int64_t kInBlock = 6;    // input rows per register block (4 x 6 accumulators)
 constexpr int64_t kMaxRows = 256;  // more rows than this: use a GEMM (the op checks)
 
 template <typename T>
@@ -138,10 +137,16 @@ __attribute__((target("avx512f"))) void block_f32(const Problem<float>& p, int64
     }
 }
 
-// The same for bfloat16 weights: each chunk of 16 widened to float32 in registers (exact: a shift),
-// against x widened to float32 once per call, float32 FMA. (VDPBF16PS, two bf16 products a lane,
+// The same for bfloat16 weights, widened to float32 in registers (exact: a shift or a mask),
+// against x widened to float32 once per call; float32 FMA; the sum rounded to bfloat16 once, at
+// the end. Each 32 weights (one 512-bit load) give two float32 vectors with one instruction each:
+// the even-indexed elements (each 32-bit word shifted left by 16) and the odd-indexed ones (the
+// word's low half cleared). x32 holds every 32 inputs in the same order (16 even, then 16 odd:
+// `interleave_x`), so both vectors meet their inputs with no shuffle. That halves the widening
+// work of a 16-element zero-extend + shift, which competes with the FMAs for the same ports. A K
+// tail of fewer than 32 is widened 16 at a time, masked. (VDPBF16PS, two bf16 products a lane,
 // measured 10-15% slower on a 2-vCPU Xeon with AVX-512 BF16, where it issues at half the FMA
-// rate; this path needs only AVX-512F/BW.) The sum is rounded to bfloat16 once, at the end.
+// rate; this path needs only AVX-512F/BW.)
 #define DARTREE_WIDEN_BF16(ptr) \
   _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ptr))), 16))
 #define DARTREE_WIDEN_BF16_MASKED(ptr) \
@@ -157,15 +162,31 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
   _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) xp[j] = p.x32 + (m0 + j) * p.in;
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t pairs = p.in / 32 * 32;
   const int64_t full = p.in / 16 * 16;
   const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t k = 0;
-  for (; k < full; k += 16) {
-    __m512 w[NB];
-    if (ahead != 0 && (k & 31) == 0) {
+  for (; k < pairs; k += 32) {
+    __m512 even[NB], odd[NB];
+    if (ahead != 0) {
       _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
         _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
     }
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) {
+      const __m512i raw = _mm512_loadu_si512(wp[i] + k);
+      even[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      odd[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      const __m512 xe = _mm512_loadu_ps(xp[j] + k);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(xe, even[i], acc[i][j]);
+      const __m512 xo = _mm512_loadu_ps(xp[j] + k + 16);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(xo, odd[i], acc[i][j]);
+    }
+  }
+  for (; k < full; k += 16) {  // at most one: the tail of 16..31
+    __m512 w[NB];
     _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16(wp[i] + k);
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
       const __m512 x = _mm512_loadu_ps(xp[j] + k);
@@ -193,37 +214,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
 #undef DARTREE_LINEAR_STEP
 #pragma GCC diagnostic pop
 
-template <typename T>
-void block(const Problem<T>& p, int64_t n0, int64_t m0, int nb, int mb);
+// Register blocks: NB weight rows x MB input rows, NB * MB float32 accumulators. 4 x 6 (24 of
+// the 32 vector registers, with 4 weight vectors and an input) measured fastest on a 2-vCPU Xeon;
+// 3 x 8 and 2 x 12 (one pass over the weights up to 8 or 12 rows) were slower past 8 rows.
+constexpr int kRowBlock = 4;  // weight rows per register block
+constexpr int kInBlock = 6;   // input rows per register block
 
-#define DARTREE_LINEAR_BLOCKS(NB, FN, T)                     \
-  switch (mb) {                                              \
-    case 1: FN<NB, 1>(p, n0, m0); break;                     \
-    case 2: FN<NB, 2>(p, n0, m0); break;                     \
-    case 3: FN<NB, 3>(p, n0, m0); break;                     \
-    case 4: FN<NB, 4>(p, n0, m0); break;                     \
-    case 5: FN<NB, 5>(p, n0, m0); break;                     \
-    default: FN<NB, kInBlock>(p, n0, m0); break;             \
-  }
-
-template <>
-void block<float>(const Problem<float>& p, int64_t n0, int64_t m0, int nb, int mb) {
-  if (nb == kRowBlock) {
-    DARTREE_LINEAR_BLOCKS(kRowBlock, block_f32, float)
+template <typename T, int NB, int MB>
+void block_of(const Problem<T>& p, int64_t n0, int64_t m0) {
+  if constexpr (std::is_same_v<T, float>) {
+    block_f32<NB, MB>(p, n0, m0);
   } else {
-    DARTREE_LINEAR_BLOCKS(1, block_f32, float)
+    block_bf16<NB, MB>(p, n0, m0);
   }
 }
 
-template <>
-void block<c10::BFloat16>(const Problem<c10::BFloat16>& p, int64_t n0, int64_t m0, int nb, int mb) {
-  if (nb == kRowBlock) {
-    DARTREE_LINEAR_BLOCKS(kRowBlock, block_bf16, c10::BFloat16)
-  } else {
-    DARTREE_LINEAR_BLOCKS(1, block_bf16, c10::BFloat16)
+template <typename T, int NB>
+void block(const Problem<T>& p, int64_t n0, int64_t m0, int mb) {
+  static_assert(kInBlock == 6, "the cases below go up to kInBlock");
+  switch (mb) {
+    case 1: return block_of<T, NB, 1>(p, n0, m0);
+    case 2: return block_of<T, NB, 2>(p, n0, m0);
+    case 3: return block_of<T, NB, 3>(p, n0, m0);
+    case 4: return block_of<T, NB, 4>(p, n0, m0);
+    case 5: return block_of<T, NB, 5>(p, n0, m0);
+    default: return block_of<T, NB, 6>(p, n0, m0);
   }
 }
-#undef DARTREE_LINEAR_BLOCKS
 
 // Weight rows [n_begin, n_end): blocks of 4 rows (single rows at the end) against blocks of up to
 // 6 input rows. Which block an element falls in changes only how many accumulators run side by
@@ -233,10 +250,10 @@ void linear_avx512(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   for (; n + kRowBlock <= n_end; n += kRowBlock)
     for (int64_t m = 0; m < p.rows; m += kInBlock)
-      block<T>(p, n, m, kRowBlock, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
+      block<T, kRowBlock>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
   for (; n < n_end; ++n)
     for (int64_t m = 0; m < p.rows; m += kInBlock)
-      block<T>(p, n, m, 1, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
+      block<T, 1>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
 }
 
 #endif
@@ -262,6 +279,28 @@ void run(const Problem<T>& p, bool vector) {
 #endif
     linear_generic(p, begin, end);
   });
+}
+
+// x [rows, in] as float32 with each full block of 32 inputs reordered to its 16 even-indexed,
+// then its 16 odd-indexed elements (the order block_bf16 widens bfloat16 weights in); a tail of
+// fewer than 32 stays in order.
+at::Tensor interleave_x(const at::Tensor& flat) {
+  const int64_t rows = flat.size(0), in = flat.size(1), pairs = in / 32 * 32;
+  at::Tensor x32 = at::empty({rows, in}, flat.options().dtype(at::kFloat));
+  const c10::BFloat16* src = flat.data_ptr<c10::BFloat16>();
+  float* dst = x32.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m) {
+    const c10::BFloat16* s = src + m * in;
+    float* d = dst + m * in;
+    int64_t k = 0;
+    for (; k < pairs; k += 32)
+      for (int64_t e = 0; e < 16; ++e) {
+        d[k + e] = static_cast<float>(s[k + 2 * e]);
+        d[k + 16 + e] = static_cast<float>(s[k + 2 * e + 1]);
+      }
+    for (; k < in; ++k) d[k] = static_cast<float>(s[k]);
+  }
+  return x32;
 }
 
 at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -301,7 +340,8 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
     run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, vector);
   } else {
     using bf16 = c10::BFloat16;
-    const at::Tensor x32 = flat.to(at::kFloat);
+    // the AVX-512 path reads every 32 inputs as 16 even-indexed, then 16 odd-indexed (block_bf16)
+    const at::Tensor x32 = vector ? interleave_x(flat) : flat.to(at::kFloat);
     run(Problem<bf16>{flat.data_ptr<bf16>(), x32.data_ptr<float>(), weight.data_ptr<bf16>(), b, y.data_ptr<bf16>(), rows, in, out}, vector);
   }
   return y;

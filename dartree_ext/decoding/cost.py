@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 2  # 2: set-ups with few_rows_linear measured; its kernel prefetches
+COST_MODEL_VERSION = 3  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
@@ -113,6 +113,31 @@ class CostModel:
             return rows[0]
         return max(rows[0], _interp(self.contexts, rows, context))
 
+    def verify_upto(self, n_max: int, context: float = 0.0) -> list[float]:
+        """``[verify(n, context) for n in range(n_max + 1)]``, from per-curve tables built once
+        (a round's tree-size choice reads every ``n``)."""
+        tables = self.__dict__.get("_tables")
+        if tables is None or len(tables[0]) <= n_max:
+            size = max(n_max + 1, 2 * len(tables[0]) if tables else 0, self.max_nodes + 1)
+            tables = [[_interp(self.nodes, row, n) for n in range(size)] for row in self.verify_ms]
+            self.__dict__["_tables"] = tables
+        if len(tables) == 1:
+            return tables[0][:n_max + 1]
+        xs = self.contexts
+        if context <= xs[0]:
+            i, t = 0, 0.0
+        elif context >= xs[-1]:
+            i = len(xs) - 2
+            t = (context - xs[i]) / (xs[i + 1] - xs[i])  # extrapolated like _interp (clamped below)
+        else:
+            i = bisect.bisect_right(xs, context) - 1
+            t = (context - xs[i]) / (xs[i + 1] - xs[i])
+        lo, hi, first = tables[i], tables[i + 1], tables[0]
+        if context >= xs[-1]:
+            return [max(first[n], hi[n] + max(0.0, (hi[n] - lo[n]) / (xs[i + 1] - xs[i])) * (context - xs[-1]))
+                    for n in range(n_max + 1)]
+        return [max(first[n], lo[n] + (hi[n] - lo[n]) * t) for n in range(n_max + 1)]
+
     def tree(self, method: str) -> float:
         return self.tree_ms.get(method, self.tree_ms.get("*", 0.0))
 
@@ -154,8 +179,9 @@ def choose_size(expected: Sequence[float], cost: CostModel, method: str = "*", c
         raise ValueError("expected[0] must be 0 (no draft nodes accept nothing)")
     best_n, best_rate = 0, batch / (cost.round_ms(method, 0, context, batch) + overhead_ms)
     fixed = cost.draft_ms + cost.tree(method) + overhead_ms
+    verify = cost.verify_upto(batch * len(expected) - 1, context)
     for n in range(1, len(expected)):
-        rate = (batch + float(expected[n])) / (fixed + cost.verify(batch * (n + 1) - 1, context))
+        rate = (batch + float(expected[n])) / (fixed + verify[batch * (n + 1) - 1])
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     return best_n, best_rate
@@ -296,6 +322,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
         **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
+        **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
     }
 
 

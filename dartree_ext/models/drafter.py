@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..head import CorrectionHeadWeights
+from ..linear import linear_as
 
 log = logging.getLogger(__name__)
 
@@ -562,7 +563,7 @@ class BlockDrafter(TargetAttached, nn.Module):
         head_w = self.lm_head.weight
         if self.draft_vocab is not None and not self.training:
             sub = self._draft_head_weight()
-            logits = hidden.to(sub.dtype) @ sub.T
+            logits = linear_as(self.context_proj, hidden.to(sub.dtype), sub)  # as the drafter's layers run
             bias = getattr(self.lm_head, "bias", None)
             if bias is not None:
                 logits = logits + bias[self.draft_vocab.to(bias.device)]
