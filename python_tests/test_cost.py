@@ -207,7 +207,7 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
         calls.append(tokens)
         return times[next(model.parameters()).dtype]
 
-    monkeypatch.setattr(costmod, "_forward_ms", fake_forward)
+    monkeypatch.setattr(costmod, "forward_ms", fake_forward)
     target = tiny_target("llama")
     dtype, ms = costmod.choose_dtype(target, tokens=(1, 9))
     assert dtype == torch.bfloat16 and ms == {"float32": 10.0, "bfloat16": 6.0}
@@ -327,3 +327,62 @@ def _saved(drafter, tmp_path, calibration):
     finally:
         drafter.calibration = {}
     return tmp_path / "d"
+
+
+def _paths(tree, row):
+    """The token path (root excluded) of every node of ``tree``'s row, with its score."""
+    n = int(tree.num_nodes[row])
+    parents, tokens, scores = tree.parents[row].tolist(), tree.tokens[row].tolist(), tree.scores[row].tolist()
+    out = {}
+    for i in range(1, n):
+        path, j = [], i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out[tuple(reversed(path))] = round(scores[i], 5)
+    return out
+
+
+@pytest.mark.parametrize("method", ["dartree", "ddtree"])
+def test_build_cap_keeps_the_best_nodes(setup, method):
+    """A round's tree built for a cap of c nodes (narrower, smaller) has the same best n <= c
+    nodes, with the same scores, as the full build: the chooser sees the same choices."""
+    from dartree_ext.tree import prune
+    target, drafter, _, _ = setup
+    dec = SpeculativeDecoder(target, drafter, method, budget="auto", width=10, K=12, lookup=0,
+                             cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 5, target.config.hidden_size, generator=gen)
+    base = torch.randn(3, 5, target.config.vocab_size, generator=gen) * 3
+    root = torch.tensor([1, 2, 3])
+    full = dec.build_tree(hidden, base, root)
+    assert int(full.num_nodes.max()) > 17                                 # more than any cap below
+    for cap in (1, 3, 7, 16):
+        small = dec.build_tree(hidden, base, root, cap=cap)
+        assert int(small.num_nodes.max()) <= cap + 1
+        for n in range(1, cap + 1):
+            a, b = prune(full, n), prune(small, n)
+            for row in range(3):
+                assert _paths(a, row) == _paths(b, row), (cap, n, row)
+    # a cap at or above the budget changes nothing
+    assert _paths(dec.build_tree(hidden, base, root, cap=64), 0) == _paths(full, 0)
+
+
+def test_build_cap_follows_recent_sizes(setup):
+    target, drafter, prompts, refs = setup
+    oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    step = CostModel.from_curve({0: 10.0, 6: 10.0, 7: 100.0, 64: 200.0}, draft_ms=0.1)  # 3 rows: n <= 1 pays
+    dec = SpeculativeDecoder(target, oracle, "ddtree", budget="auto", K=8, lookup=0, cost_model=step)
+    assert dec._build_cap() is None
+    dec._recent_sizes = [1, 3, 2]
+    assert dec._build_cap() is None                                       # fewer than 4 rounds seen
+    dec._recent_sizes = [1, 3, 2, 2]
+    assert dec._build_cap() == 10
+    dec._recent_sizes = [40] * 4
+    assert dec._build_cap() == 64                                         # never above max_budget
+    caps = []
+    build = dec.build_tree
+    dec.build_tree = lambda *a, cap=None: caps.append(cap) or build(*a, cap=cap)
+    out = check_greedy(dec, prompts, refs, NEW)                           # lossless with the cap in use
+    assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
+    assert caps[0] is None and caps[-1] is not None and caps[-1] <= 2 * 2 + 4

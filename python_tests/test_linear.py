@@ -220,7 +220,7 @@ def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
         calls.append(tokens)
         return times[(next(model.parameters()).dtype, linear_kind(model))]
 
-    monkeypatch.setattr(costmod, "_forward_ms", fake_forward)
+    monkeypatch.setattr(costmod, "forward_ms", fake_forward)
     target = tiny_target()
     dtype, linear, ms = costmod.choose_forward(target, tokens=(1, 9), reps=1)
     assert (dtype, linear) == (torch.bfloat16, "few_rows")

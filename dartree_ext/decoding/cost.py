@@ -499,7 +499,9 @@ def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None =
 
 # choosing the dtype --------------------------------------------------------------------------------
 @torch.no_grad()
-def _forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64) -> float:
+def forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64) -> float:
+    """Median time (ms) of ``model``'s forward over ``tokens`` new tokens after ``context`` cached ones
+    (random ids; each of ``reps`` repetitions on a fresh cache, after one warm-up)."""
     from transformers import DynamicCache
     param = next(model.parameters())
     timer = _Timer(param.device)
@@ -569,7 +571,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
                     for kind in linears:
                         set_linear(trial, kind)
                         name = str(dtype).replace("torch.", "") + ("+few_rows" if kind == "few_rows" else "")
-                        samples.setdefault(name, []).append(sum(_forward_ms(trial, n, 1) for n in tokens))
+                        samples.setdefault(name, []).append(sum(forward_ms(trial, n, 1) for n in tokens))
         finally:
             set_linear(model, original, max_rows or DEFAULT_MAX_ROWS)
             trials = None

@@ -403,7 +403,9 @@ class SpeculativeDecoder:
     once per machine, model and dtype and cached on disk when not given:
     :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
     plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
-    most 16) before it is tried again.
+    most 16) before it is tried again. After 4 rounds the tree is built for at most twice the
+    largest size chosen lately plus 4 nodes (:meth:`_build_cap`: the same best nodes, less
+    expansion work).
 
     The drafter's verification head (VAT), which predicts per drafted position the probability
     that it and every position before it are accepted, is used two ways:
@@ -482,6 +484,7 @@ class SpeculativeDecoder:
         self._skip = self._backoff = 0
         self._overhead_ms = None
         self._recent_depths: list[int] = []
+        self._recent_sizes: list[int] = []
         self._chosen_expected = 0.0
         self._head = None
         if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
@@ -491,12 +494,19 @@ class SpeculativeDecoder:
 
     # trees ----------------------------------------------------------------------------------
     def build_tree(self, hidden: torch.Tensor | None, base_logits: torch.Tensor | None,
-                   root: torch.Tensor, vocab: torch.Tensor | None = None) -> Tree:
+                   root: torch.Tensor, vocab: torch.Tensor | None = None, cap: int | None = None) -> Tree:
         """This decoder's draft tree for one drafter pass (``hidden [B, D', H]``,
         ``base_logits [B, D', V]``, ``root int64[B]``; with a draft vocabulary, ``base_logits
-        [B, D', V']`` and ``vocab int64[V']`` its target ids)."""
+        [B, D', V']`` and ``vocab int64[V']`` its target ids). ``cap``: build only what the best
+        ``cap`` nodes need (see :meth:`_build_cap`)."""
         def ids(i):
             return i if vocab is None else vocab[i]
+
+        budget, width = self.budget, self.width
+        if cap is not None and cap < budget:
+            budget = cap
+            if self.depth_bonus <= 0 and base_logits is not None:  # see _build_cap
+                width = tuple(min(w, cap) for w in depth_widths(width, base_logits.shape[1]))
 
         batch, device, m = root.shape[0], root.device, self.method
         if m == "ar":
@@ -521,7 +531,7 @@ class SpeculativeDecoder:
         k = min(self.K, base_logits.shape[-1])
         if m == "ddtree":
             logprobs, top = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
-            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids(top).contiguous(), root, self.budget))
+            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids(top).contiguous(), root, budget))
         head = self._head
         root_state = torch.zeros(batch, head.w_s.shape[1], dtype=head.w_s.dtype, device=device)
         if m == "chain_corrected":
@@ -531,8 +541,10 @@ class SpeculativeDecoder:
                                       cand_base.to(head.w_s.dtype).contiguous(), root_state, [1] * depth, 0.0)
             return supertree_as_tree(*sup, root)
         if m in ("dartree", "dartree_fixed"):
-            return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=self.width,
-                                 budget=self.budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
+            return build_dartree(head, hidden, base_logits, root, root_state, k=k,
+                                 width=self.width if m == "dartree_fixed" else width,
+                                 budget=self.budget if m == "dartree_fixed" else budget,
+                                 depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
                                  vocab=vocab)
         cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
         cand_ids = ids(cand_ids)
@@ -596,6 +608,18 @@ class SpeculativeDecoder:
             ms += cost.draft_ms + cost.tree(self.method)
         return rows + self._chosen_expected, ms
 
+    def _build_cap(self) -> int | None:
+        """budget="auto": the nodes a round's tree is built with, twice the largest size chosen
+        in the last rounds plus 4 (``None``, the full ``max_budget``, until 4 rounds have been
+        seen). The chooser then looks at no more nodes than that. The best ``n <= cap`` nodes are
+        the same as those of the full build: for ``ddtree`` the heap pops them first, and for
+        ``dartree`` (depth bonus <= 0, so a child never outscores its parent) they are among the
+        best ``cap`` of each depth, so a width of ``cap`` per depth keeps them. It spares the
+        expansion work of nodes no round is going to verify."""
+        if len(self._recent_sizes) < 4:
+            return None
+        return min(self.budget, 2 * max(self._recent_sizes) + 4)
+
     def _draft_depth(self, full: int) -> int:
         """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
         chosen in the last rounds (all of them until 4 rounds have been seen), so the search
@@ -653,7 +677,7 @@ class SpeculativeDecoder:
         self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self._skip = self._backoff = 0
-        self._recent_depths = []
+        self._recent_depths, self._recent_sizes = [], []
         run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
                    dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator))
         state = self._prefill(run, prompts)
@@ -865,7 +889,7 @@ class SpeculativeDecoder:
                 return self.plain_tree(state.root), (0 if self.auto else None)
             hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
             prob = None if prob is None else prob[:, :keep]
-        tree = self.build_tree(hidden, base_logits, state.root, vocab)
+        tree = self.build_tree(hidden, base_logits, state.root, vocab, cap=self._build_cap() if self.auto else None)
         if cut is not None and self.method in ("chain", "chain_corrected"):  # chains: each row its own cut
             num = torch.minimum(tree.num_nodes, (cut + 1).to(tree.num_nodes.dtype))
             live = torch.arange(tree.tokens.shape[1], device=num.device)[None] < num[:, None]
@@ -946,6 +970,7 @@ class SpeculativeDecoder:
                 drafted = state.drafted or [len(row) for row in verdict.depths]
                 deepest = max(d for row, n in zip(verdict.depths, drafted) for d in row[:n])
                 self._recent_depths = (self._recent_depths + [deepest])[-RECENT_ROUNDS:]
+                self._recent_sizes = (self._recent_sizes + [chosen])[-RECENT_ROUNDS:]
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         if state.chains is not None:
