@@ -382,7 +382,7 @@ def test_build_cap_follows_recent_sizes(setup):
     assert dec._build_cap() == 64                                         # never above max_budget
     caps = []
     build = dec.build_tree
-    dec.build_tree = lambda *a, cap=None: caps.append(cap) or build(*a, cap=cap)
+    dec.build_tree = lambda *a, **kw: caps.append(kw.get("cap")) or build(*a, **kw)
     out = check_greedy(dec, prompts, refs, NEW)                           # lossless with the cap in use
     assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
     assert caps[0] is None and caps[-1] is not None and caps[-1] <= 2 * 2 + 4

@@ -86,8 +86,8 @@ def test_decoding_with_a_draft_vocab_is_lossless(target, method):
     drafted = []
     build = dec.build_tree
 
-    def recording(*args):
-        tree = build(*args)
+    def recording(*args, **kw):
+        tree = build(*args, **kw)
         valid = torch.arange(tree.tokens.shape[1])[None] < tree.num_nodes[:, None]
         drafted.append(tree.tokens[:, 1:][valid[:, 1:]])
         return tree

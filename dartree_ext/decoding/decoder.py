@@ -889,7 +889,8 @@ class SpeculativeDecoder:
                 return self.plain_tree(state.root), (0 if self.auto else None)
             hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
             prob = None if prob is None else prob[:, :keep]
-        tree = self.build_tree(hidden, base_logits, state.root, vocab, cap=self._build_cap() if self.auto else None)
+        cap = self._build_cap() if self.auto else None
+        tree = self.build_tree(hidden, base_logits, state.root, vocab, **({} if cap is None else {"cap": cap}))
         if cut is not None and self.method in ("chain", "chain_corrected"):  # chains: each row its own cut
             num = torch.minimum(tree.num_nodes, (cut + 1).to(tree.num_nodes.dtype))
             live = torch.arange(tree.tokens.shape[1], device=num.device)[None] < num[:, None]
