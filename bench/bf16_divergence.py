@@ -18,6 +18,7 @@ import json
 import torch
 
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
+from dartree_ext.linear import LINEAR_KINDS, set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 
 
@@ -43,12 +44,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--method", default="dartree")
-    p.add_argument("--linear", default="torch", choices=["torch", "few_rows"],
+    p.add_argument("--linear", default="torch", choices=list(LINEAR_KINDS),
                    help="the bfloat16 target's linear layers (dartree-generate --linear); HF generate runs the same "
                         "target")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from dartree_ext.linear import set_linear
     from dartree_ext.data import prompts as shipped
     loaded = load_target("smollm2", dtype=torch.bfloat16)
     target, tok = loaded.target, loaded.tokenizer

@@ -29,7 +29,7 @@ import torch
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import choose_forward
-from dartree_ext.linear import set_linear
+from dartree_ext.linear import LINEAR_KINDS, set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
                         help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
                              "(the second labelled '@fullvocab')")
-    parser.add_argument("--linear", default="auto", choices=["auto", "torch", "few_rows"],
+    parser.add_argument("--linear", default="auto", choices=["auto", *LINEAR_KINDS],
                         help="the target's linear layers on a CPU (as dartree-generate --linear): 'auto' measures "
                              "torch's GEMM against few_rows_linear in --dtype once (cached); every row, ar "
                              "included, runs the same target")

@@ -22,7 +22,7 @@ import torch
 
 from dartree_ext import build_info, ops
 from dartree_ext.decoding.cost import cpu_bf16_native, device_name, forward_ms
-from dartree_ext.linear import set_linear
+from dartree_ext.linear import LINEAR_KINDS, set_linear
 from dartree_ext.loading import load_target
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -52,10 +52,10 @@ def op_times(dtype: torch.dtype, rows: list[int], reps: int = 5) -> list[dict]:
 @torch.no_grad()
 def forward_times(model: torch.nn.Module, tokens: list[int], reps: int) -> list[dict]:
     dtype = next(model.parameters()).dtype
-    samples = {(kind, n): [] for kind in ("torch", "few_rows") for n in tokens}
+    samples = {(kind, n): [] for kind in LINEAR_KINDS for n in tokens}
     for _ in range(reps):
         for n in tokens:
-            for kind in ("torch", "few_rows"):
+            for kind in LINEAR_KINDS:
                 set_linear(model, kind)
                 samples[(kind, n)].append(forward_ms(model, n, 1, context=200))
     set_linear(model, "torch")

@@ -18,6 +18,7 @@ import torch
 
 from . import build_info, ops, reference
 from ._widths import parse_width
+from .linear import LINEAR_KINDS
 from .sampling import target_tokens_from_logits
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
                         help="target dtype; 'auto' (default): bfloat16 on CUDA, on a CPU whichever runs a 1- and a "
                              "9-token forward faster here (measured once, cached). float32 output equals plain "
                              "decoding's exactly; bfloat16 only up to rounding (near-ties can flip)")
-    parser.add_argument("--linear", default="auto", choices=["auto", "torch", "few_rows"],
+    parser.add_argument("--linear", default="auto", choices=["auto", *LINEAR_KINDS],
                         help="the target's linear layers on a CPU: 'few_rows' runs inputs of <= 65 rows through "
                              "dartree_ext's few_rows_linear (one read of the weights for all tree rows; "
                              "batch-invariant), 'torch' through torch's GEMM; 'auto' (default): measured with the "
@@ -336,7 +337,7 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--methods", default="chain,ddtree,dartree")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--linear", default="torch", choices=["torch", "few_rows"],
+    parser.add_argument("--linear", default="torch", choices=list(LINEAR_KINDS),
                         help="the target's linear layers (as dartree-generate --linear; CPU only)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--nodes", default=None, help="comma-separated tree sizes (default 0,1,2,...,64)")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from . import ops
 
 DEFAULT_MAX_ROWS = 65  # a 64-node tree and its root
+LINEAR_KINDS = ("torch", "few_rows")  # how a model's linear layers run (set_linear)
 _FLAG = "_dartree_few_rows"
 
 
@@ -112,9 +113,9 @@ def few_rows_max_rows(model: torch.nn.Module) -> int | None:
 
 def set_linear(model: torch.nn.Module, kind: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
     """``kind`` = ``"few_rows"`` or ``"torch"``: patch or restore ``model``'s linear layers."""
+    if kind not in LINEAR_KINDS:
+        raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {kind!r}")
     if kind == "few_rows":
         use_few_rows_linear(model, max_rows)
-    elif kind == "torch":
-        restore_torch_linear(model)
     else:
-        raise ValueError(f"linear must be 'few_rows' or 'torch', got {kind!r}")
+        restore_torch_linear(model)

@@ -293,13 +293,15 @@ def build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus
     return (torch.cat(out_tokens, 1), torch.cat(out_parents, 1), torch.cat(out_depths, 1), torch.cat(out_scores, 1))
 
 
-# kv area ---------------------------------------------------------------------------------------
+# linear area -------------------------------------------------------------------------------------
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in float32, rounded to the dtype of ``x`` once."""
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
 
+
+# kv area ---------------------------------------------------------------------------------------
 
 def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
                 lengths: torch.Tensor) -> None:

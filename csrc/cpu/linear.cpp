@@ -34,7 +34,7 @@ constexpr int64_t kMaxRows = 256;  // more rows than this: use a GEMM (the op ch
 template <typename T>
 struct Problem {
   const T* x;
-  const float* x32;   // bfloat16: x widened to float32 once per call
+  const float* x32;   // bfloat16, AVX-512 path: x widened to float32 once per call (interleave_x)
   const T* w;
   const float* bias;  // float32 copy of the bias, or nullptr
   T* y;
@@ -340,9 +340,12 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
     run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, vector);
   } else {
     using bf16 = c10::BFloat16;
-    // the AVX-512 path reads every 32 inputs as 16 even-indexed, then 16 odd-indexed (block_bf16)
-    const at::Tensor x32 = vector ? interleave_x(flat) : flat.to(at::kFloat);
-    run(Problem<bf16>{flat.data_ptr<bf16>(), x32.data_ptr<float>(), weight.data_ptr<bf16>(), b, y.data_ptr<bf16>(), rows, in, out}, vector);
+    // the AVX-512 path reads every 32 inputs as 16 even-indexed, then 16 odd-indexed (block_bf16);
+    // the portable loop reads x itself
+    const at::Tensor x32 = vector ? interleave_x(flat) : at::Tensor();
+    run(Problem<bf16>{flat.data_ptr<bf16>(), vector ? x32.data_ptr<float>() : nullptr, weight.data_ptr<bf16>(), b,
+                      y.data_ptr<bf16>(), rows, in, out},
+        vector);
   }
   return y;
 }

@@ -114,29 +114,17 @@ class CostModel:
         return max(rows[0], _interp(self.contexts, rows, context))
 
     def verify_upto(self, n_max: int, context: float = 0.0) -> list[float]:
-        """``[verify(n, context) for n in range(n_max + 1)]``, from per-curve tables built once
-        (a round's tree-size choice reads every ``n``)."""
+        """``[verify(n, context) for n in range(n_max + 1)]``: each curve interpolated over the
+        nodes once (cached), then across contexts per ``n`` as :meth:`verify` does (a round's
+        tree-size choice reads every ``n``)."""
         tables = self.__dict__.get("_tables")
         if tables is None or len(tables[0]) <= n_max:
-            size = max(n_max + 1, 2 * len(tables[0]) if tables else 0, self.max_nodes + 1)
+            size = max(n_max + 1, self.max_nodes + 1)
             tables = [[_interp(self.nodes, row, n) for n in range(size)] for row in self.verify_ms]
-            self.__dict__["_tables"] = tables
+            self.__dict__["_tables"] = tables  # derived from the fields, not one of them
         if len(tables) == 1:
             return tables[0][:n_max + 1]
-        xs = self.contexts
-        if context <= xs[0]:
-            i, t = 0, 0.0
-        elif context >= xs[-1]:
-            i = len(xs) - 2
-            t = (context - xs[i]) / (xs[i + 1] - xs[i])  # extrapolated like _interp (clamped below)
-        else:
-            i = bisect.bisect_right(xs, context) - 1
-            t = (context - xs[i]) / (xs[i + 1] - xs[i])
-        lo, hi, first = tables[i], tables[i + 1], tables[0]
-        if context >= xs[-1]:
-            return [max(first[n], hi[n] + max(0.0, (hi[n] - lo[n]) / (xs[i + 1] - xs[i])) * (context - xs[-1]))
-                    for n in range(n_max + 1)]
-        return [max(first[n], lo[n] + (hi[n] - lo[n]) * t) for n in range(n_max + 1)]
+        return [max(tables[0][n], _interp(self.contexts, [t[n] for t in tables], context)) for n in range(n_max + 1)]
 
     def tree(self, method: str) -> float:
         return self.tree_ms.get(method, self.tree_ms.get("*", 0.0))
@@ -532,13 +520,13 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     import copy
 
     from .. import __version__, build_info
-    from ..linear import DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, set_linear
+    from ..linear import DEFAULT_MAX_ROWS, LINEAR_KINDS, few_rows_max_rows, linear_kind, set_linear
     param = next(model.parameters())
     if not dtypes or not linears:
         raise ValueError("choose_forward needs at least one dtype and one linear")
     for kind in linears:
-        if kind not in ("torch", "few_rows"):
-            raise ValueError(f"linears must be 'torch' or 'few_rows', got {kind!r}")
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"linears must be among {', '.join(LINEAR_KINDS)}, got {kind!r}")
     if param.device.type != "cpu":
         linears = ("torch",)
         if torch.bfloat16 in dtypes:

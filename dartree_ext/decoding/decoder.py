@@ -502,13 +502,12 @@ class SpeculativeDecoder:
         def ids(i):
             return i if vocab is None else vocab[i]
 
-        budget, width = self.budget, self.width
-        if cap is not None and cap < budget:
-            budget = cap
-            if self.depth_bonus <= 0 and base_logits is not None:  # see _build_cap
-                width = tuple(min(w, cap) for w in depth_widths(width, base_logits.shape[1]))
-
         batch, device, m = root.shape[0], root.device, self.method
+        budget, width = self.budget, self.width
+        if cap is not None and cap < budget and m in ("ddtree", "dartree"):  # see _build_cap
+            budget = cap
+            if m == "dartree" and self.depth_bonus <= 0:
+                width = tuple(min(w, cap) for w in depth_widths(width, base_logits.shape[1]))
         if m == "ar":
             return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
                         depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
@@ -541,10 +540,8 @@ class SpeculativeDecoder:
                                       cand_base.to(head.w_s.dtype).contiguous(), root_state, [1] * depth, 0.0)
             return supertree_as_tree(*sup, root)
         if m in ("dartree", "dartree_fixed"):
-            return build_dartree(head, hidden, base_logits, root, root_state, k=k,
-                                 width=self.width if m == "dartree_fixed" else width,
-                                 budget=self.budget if m == "dartree_fixed" else budget,
-                                 depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
+            return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=width,
+                                 budget=budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
                                  vocab=vocab)
         cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
         cand_ids = ids(cand_ids)
