@@ -1,9 +1,12 @@
 """Target forward cost on this machine: few_rows_linear against torch's linear, first over the
 weights alone and then in the target's forward over n new tokens, per dtype (and per thread count
-with --threads); --prefill adds a 256-token forward's throughput.
+with --threads); --prefill adds a 256-token forward's throughput; --attention times a tree
+verification's forward (a tree-attention mask over the cache) through transformers' SDPA attention
+against :func:`dartree_ext.attention.gqa_attention` (no repeated keys/values).
 
     python bench/forward_speed.py --target smollm2 --json bench/results/forward_speed.json
     python bench/forward_speed.py --threads 1,2 --rows "" --tokens 1,65 --prefill
+    python bench/forward_speed.py --rows "" --tokens "" --attention 1,4,8,16 --contexts 200,800
 
 Part 1 runs 60 distinct [1536, 576] weights (SmolLM2's MLP shape, 53M parameters, more than the
 caches hold) through each implementation, best of 5, every implementation in turn at each row
@@ -14,6 +17,7 @@ are torch / few_rows: above 1, few_rows is faster.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -21,7 +25,8 @@ import time
 import torch
 
 from dartree_ext import build_info, ops
-from dartree_ext.decoding.cost import cpu_bf16_native, device_name, forward_ms
+from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
+from dartree_ext.decoding.cost import _drop_last, cpu_bf16_native, device_name, forward_ms
 from dartree_ext.linear import LINEAR_KINDS, set_linear
 from dartree_ext.loading import load_target
 
@@ -69,6 +74,62 @@ def forward_times(model: torch.nn.Module, tokens: list[int], reps: int) -> list[
 
 
 @torch.no_grad()
+def tree_forward_ms(model: torch.nn.Module, tokens: int, context: int) -> float:
+    """One verification forward: root + ``tokens - 1`` nodes (a binary tree) under the tree-attention
+    mask, after ``context`` cached tokens (ms; the nodes are dropped from the cache after)."""
+    from transformers import DynamicCache
+    param = next(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = (id(model), context)
+    if _CACHES.get("key") != key:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, vocab, (1, context), generator=gen), use_cache=True, logits_to_keep=1,
+              **{cache_kw: cache})
+        _CACHES.update(key=key, cache=cache)
+    cache = _CACHES["cache"]
+    parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, tokens)]], dtype=torch.int32)
+    depth = [0] * tokens
+    for i in range(1, tokens):
+        depth[i] = depth[(i - 1) // 2] + 1
+    mask = ops.tree_attention_mask(parents, torch.tensor([tokens], dtype=torch.int32),
+                                   torch.ones(1, context, dtype=torch.bool), param.dtype)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen)
+    start = time.perf_counter()
+    model(input_ids=ids, attention_mask=mask, position_ids=(context + torch.tensor(depth))[None], use_cache=True,
+          **{cache_kw: cache})
+    ms = 1e3 * (time.perf_counter() - start)
+    _drop_last(cache, tokens)
+    return ms
+
+
+_CACHES: dict = {}
+
+
+def attention_times(model: torch.nn.Module, tokens: list[int], contexts: list[int], reps: int) -> list[dict]:
+    """:func:`tree_forward_ms` through SDPA and through the packed attention, in turn."""
+    dtype = next(model.parameters()).dtype
+    out = []
+    for ctx in contexts:
+        for n in tokens:
+            samples = {"sdpa": [], "packed": []}
+            for rep in range(reps + 1):  # the first round warms up
+                for kind in samples:
+                    (use_packed_attention if kind == "packed" else restore_sdpa_attention)(model)
+                    ms = tree_forward_ms(model, n, ctx)
+                    if rep:
+                        samples[kind].append(ms)
+            a, b = (statistics.median(samples[k]) for k in ("sdpa", "packed"))
+            out.append({"context": ctx, "tokens": n, "sdpa_ms": round(a, 2), "packed_ms": round(b, 2),
+                        "ratio": round(a / b, 3)})
+            print(f"  {str(dtype)[6:]:9s} context {ctx:4d}, {n:3d} tokens: sdpa {a:6.1f} ms  packed {b:6.1f} ms  "
+                  f"sdpa / packed {a / b:.2f}", flush=True)
+    use_packed_attention(model)
+    return out
+
+
+@torch.no_grad()
 def prefill_tokens_per_s(model: torch.nn.Module, tokens: int = 256) -> float:
     """Tokens per second of one forward over ``tokens`` fresh tokens (second of two calls)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -90,16 +151,22 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", default="2", help="thread counts, e.g. 1,2 (each runs every part)")
     p.add_argument("--prefill", action="store_true", help="also a 256-token forward's tokens/s (torch's linear)")
+    p.add_argument("--attention", default="", help="tree sizes (tokens incl. the root) for the attention part, "
+                   "e.g. 1,4,8,16 ('' skips it); each dtype with the linear layers torch/few_rows as --linear says")
+    p.add_argument("--contexts", default="200,800", help="the attention part's cache lengths")
+    p.add_argument("--linear", default="few_rows", choices=LINEAR_KINDS, help="the attention part's linear layers")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows, tokens, threads = _ints(args.rows), _ints(args.tokens), _ints(args.threads)
+    tree_sizes, contexts = _ints(args.attention), _ints(args.contexts)
     result = {"device": device_name("cpu"), "bf16_native": cpu_bf16_native(), "torch": torch.__version__,
               "few_rows_linear": build_info()["few_rows_linear"], "runs": []}
     print(f"{result['device']} (bf16 native: {result['bf16_native']}), few_rows paths {result['few_rows_linear']}")
-    models = {dtype: load_target(args.target, dtype=dtype).target for dtype in DTYPES} if tokens or args.prefill else {}
+    models = {dtype: load_target(args.target, dtype=dtype).target for dtype in DTYPES} \
+        if tokens or args.prefill or tree_sizes else {}
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}}
+        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}, "attention": {}}
         print(f"{n_threads} threads")
         if rows:
             print("60 x [1536, 576] weights:")
@@ -109,6 +176,12 @@ def main(argv=None) -> int:
             print(f"{args.target} forward after a 200-token cache:")
             for dtype, model in models.items():
                 run["forward"][str(dtype)[6:]] = forward_times(model, tokens, args.reps)
+        if tree_sizes:
+            print(f"{args.target} tree verification forward ({args.linear} linear layers), SDPA vs packed attention:")
+            for dtype, model in models.items():
+                set_linear(model, args.linear)
+                run["attention"][str(dtype)[6:]] = attention_times(model, tree_sizes, contexts, args.reps)
+                set_linear(model, "torch")
         if args.prefill:
             for dtype, model in models.items():
                 run["prefill_tok_s"][str(dtype)[6:]] = round(prefill_tokens_per_s(model), 1)

@@ -68,7 +68,15 @@ def smollm2_arch_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> to
 
 def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
     """A target model and its tokenizer from ``"tiny"``, ``"smollm2"``, ``"smollm2-arch"``
-    (random weights, for timing) or a local HF directory."""
+    (random weights, for timing) or a local HF directory. An SDPA model attends through
+    :func:`dartree_ext.attention.use_packed_attention` (no key/value copies for a tree's heads)."""
+    from .attention import use_packed_attention
+    loaded = _load_target(spec, dtype, device)
+    use_packed_attention(loaded.target)
+    return loaded
+
+
+def _load_target(spec: str, dtype: torch.dtype, device: str) -> Loaded:
     if spec == "tiny":
         return Loaded(tiny_target(dtype=dtype).to(device), ByteTokenizer(), "tiny")
     if spec == "smollm2-arch":

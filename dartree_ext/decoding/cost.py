@@ -32,7 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 3  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too
+COST_MODEL_VERSION = 4  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+# 4: grouped-query attention without copied keys/values (dartree_ext.attention)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
@@ -295,6 +296,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
              nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
     from .. import __version__
+    from ..attention import attention_kind
     from ..linear import linear_kind
     param = next(target.parameters())
     cfg = target.config.to_json_string(use_diff=False) if hasattr(target.config, "to_json_string") else str(
@@ -309,6 +311,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
+        "attention": attention_kind(target),
         **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
     }
@@ -520,6 +523,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     import copy
 
     from .. import __version__, build_info
+    from ..attention import attention_kind
     from ..linear import DEFAULT_MAX_ROWS, LINEAR_KINDS, few_rows_max_rows, linear_kind, set_linear
     param = next(model.parameters())
     if not dtypes or not linears:
@@ -534,7 +538,8 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
     key = {"kind": "dtype", "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
            "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "device": device_name(param.device),
-           "threads": torch.get_num_threads(), "candidates": [str(c) for c in dtypes], "tokens": list(tokens)}
+           "threads": torch.get_num_threads(), "candidates": [str(c) for c in dtypes], "tokens": list(tokens),
+           "attention": attention_kind(model)}
     if list(linears) != ["torch"]:
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import gqa_attention
 from ..head import CorrectionHeadWeights
 from ..linear import linear_as
 
@@ -161,12 +162,9 @@ class AttentionMLPLayer(nn.Module):
     def attend(self, residual: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """``residual + o_proj(attention)``, then the MLP block: queries ``[B, heads, T, Dh]``,
-        keys/values ``[B, kv_heads, S, Dh]`` (repeated for the query heads here), ``mask`` bool
-        broadcastable to ``[B, heads, T, S]``."""
-        rep = self.cfg.num_heads // self.cfg.num_kv_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        keys/values ``[B, kv_heads, S, Dh]`` (read by their query heads in place:
+        :func:`dartree_ext.attention.gqa_attention`), ``mask`` bool ``[B or 1, 1, T or 1, S]``."""
+        attn = gqa_attention(q, keys, values, mask)
         x = residual + self.o_proj(attn.transpose(1, 2).reshape(residual.shape[0], residual.shape[1], -1))
         hm = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm))

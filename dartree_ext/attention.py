@@ -1,0 +1,120 @@
+"""Grouped-query attention over a few query rows without copying the keys and values.
+
+A verification forward attends root + tree (a few dozen query rows) to the whole KV cache under a
+tree mask. With a mask, transformers' SDPA attention repeats every key/value head for the query
+heads that share it (``repeat_kv``: a copy of the layer's cache, every layer, every round), and
+the copy grows with the context. :func:`gqa_attention` instead stacks the query heads of each
+key/value head as extra query rows: queries ``[B, H, T, D]`` become ``[B, H_kv, (H / H_kv) * T, D]``,
+the mask's rows are tiled to match, and one SDPA call runs on the cache as it is. Every output row
+is the same attention as before; only the rounding of the kernel's blocking can differ.
+(Transformers does this for one query row, ``pack_gqa``; this extends it to a tree.)
+
+    from dartree_ext.attention import use_packed_attention
+    use_packed_attention(target)     # an SDPA model: forwards of <= 128 new tokens use gqa_attention
+    restore_sdpa_attention(target)
+
+:func:`dartree_ext.loading.load_target` applies it to the targets it loads. A forward over more
+than ``MAX_PACKED_ROWS`` new tokens (a prefill), a mask that differs per head, dropout, or a
+position bias take transformers' own SDPA attention.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "dartree_sdpa"
+MAX_PACKED_ROWS = 128  # query rows per forward above which transformers' SDPA attention runs
+
+
+def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` per query head, query head ``h`` reading key/value head
+    ``h // (H / H_kv)``: ``query [B, H, T, D]``, ``key``/``value [B, H_kv, S, D]``, ``mask`` additive
+    (float) or bool (True = visible), broadcastable to ``[B, 1, T, S]``. Returns ``[B, H, T, D]``
+    without repeating the keys and values."""
+    if query.dim() != 4 or key.dim() != 4 or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"query [B, H, T, D] and key/value [B, H_kv, S, D] expected, got {list(query.shape)}, "
+                         f"{list(key.shape)}, {list(value.shape)}")
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split over {kv_heads} key/value heads")
+    rep = heads // kv_heads
+    if rep == 1:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1:
+            raise ValueError(f"mask must be [B, 1, T, S] (one mask for every head), got {list(mask.shape)}")
+        if mask.shape[2] != 1:  # row r * T + t of a packed group is query t of that group's head r
+            mask = _tiled(mask, rep)
+    packed = query.reshape(b, kv_heads, rep * t, d)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
+    return out.view(b, heads, t, out.shape[-1])
+
+
+_last_tiled: tuple = (None, -1, 0, None)  # (mask, its version, rep, tiled): every layer of a forward shares it
+
+
+def _tiled(mask: torch.Tensor, rep: int) -> torch.Tensor:
+    """``mask`` with its rows repeated ``rep`` times (``[B, 1, rep * T, S]``), built once for all the
+    layers of a forward that pass the same, unchanged mask."""
+    global _last_tiled
+    src, version, r, tiled = _last_tiled  # one tuple, replaced whole: safe to read from any thread
+    if src is mask and version == mask._version and r == rep:
+        return tiled
+    tiled = torch.cat([mask] * rep, 2)
+    _last_tiled = (mask, mask._version, rep, tiled)
+    return tiled
+
+
+def _packable(module, query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
+    return (mask is not None and query.shape[2] <= MAX_PACKED_ROWS and mask.dim() == 4 and mask.shape[1] == 1
+            and not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions", False) and getattr(module, "num_key_value_groups", 1) > 1)
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                  **kwargs):
+    """Transformers' attention-interface signature: ``gqa_attention`` where it applies, else SDPA's."""
+    if _packable(module, query, attention_mask, dropout, kwargs):
+        mask = attention_mask
+        if mask.shape[-1] != key.shape[-2]:  # as transformers' SDPA path slices a longer mask
+            mask = mask[:, :, :, :key.shape[-2]]
+        out = gqa_attention(query, key, value, mask, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(NAME, _hf_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks transformers builds: SDPA's
+
+
+def attention_kind(model: torch.nn.Module) -> str:
+    """The attention implementation named in ``model``'s config (``"sdpa"``, ``"dartree_sdpa"``, ...)."""
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def use_packed_attention(model: torch.nn.Module) -> bool:
+    """Switch a transformers model from SDPA attention to :func:`gqa_attention` for forwards of at
+    most ``MAX_PACKED_ROWS`` new tokens with a mask. Models on another implementation (eager,
+    flash, ...) are left alone. Returns whether the model runs it now."""
+    kind = attention_kind(model)
+    if kind == NAME:
+        return True
+    if kind != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    _register()
+    model.set_attn_implementation(NAME)
+    return attention_kind(model) == NAME
+
+
+def restore_sdpa_attention(model: torch.nn.Module) -> None:
+    """Undo :func:`use_packed_attention`."""
+    if attention_kind(model) == NAME:
+        model.set_attn_implementation("sdpa")

@@ -1,0 +1,149 @@
+"""gqa_attention (grouped-query attention without repeated keys/values) against SDPA over
+repeated heads, its transformers registration, bad input, and lossless decoding through it."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import dartree_ext.attention as attention
+from dartree_ext import ops
+from dartree_ext.attention import (MAX_PACKED_ROWS, NAME, attention_kind, gqa_attention, restore_sdpa_attention,
+                                   use_packed_attention)
+from dartree_ext.decoding.decoder import SpeculativeDecoder
+from dartree_ext.loading import load_target, tiny_target
+
+
+def _repeated(q, k, v, mask, scale=None):
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=mask, scale=scale)
+
+
+def _qkv(b, heads, kv_heads, t, s, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, t, d, generator=gen).to(dtype)
+    k = torch.randn(b, kv_heads, s, d, generator=gen).to(dtype)
+    v = torch.randn(b, kv_heads, s, d, generator=gen).to(dtype)
+    return q, k, v, gen
+
+
+@pytest.mark.parametrize("b,heads,kv_heads,t,s", [(1, 9, 3, 6, 40), (2, 4, 2, 17, 33), (3, 8, 1, 1, 20),
+                                                   (1, 6, 6, 5, 12), (2, 9, 3, 65, 130)])
+@pytest.mark.parametrize("kind", ["none", "bool_rows", "float_rows", "bool_shared"])
+def test_matches_repeated_heads(b, heads, kv_heads, t, s, kind):
+    q, k, v, gen = _qkv(b, heads, kv_heads, t, s, 16, seed=b * 100 + t)
+    visible = torch.rand(b, 1, t, s, generator=gen) < 0.7
+    visible[..., 0] = True  # every row sees something
+    mask = {"none": None, "bool_rows": visible,
+            "float_rows": torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min),
+            "bool_shared": visible[:, :, :1]}[kind]
+    out = gqa_attention(q, k, v, mask, scale=0.3)
+    assert out.shape == (b, heads, t, 16)
+    torch.testing.assert_close(out, _repeated(q, k, v, mask, scale=0.3), atol=2e-6, rtol=1e-5)
+
+
+def test_head_order_is_the_groups():
+    """Query head h reads key/value head h // (H / H_kv): a hand-built case where each key/value
+    head holds one constant value."""
+    q = torch.zeros(1, 4, 2, 8)
+    k = torch.zeros(1, 2, 3, 8)
+    v = torch.stack([torch.full((3, 8), 1.0), torch.full((3, 8), 5.0)])[None]
+    out = gqa_attention(q, k, v, torch.ones(1, 1, 2, 3, dtype=torch.bool))
+    assert out[0, :2].eq(1.0).all() and out[0, 2:].eq(5.0).all()
+
+
+def test_mask_tiling_follows_the_rows():
+    """Row t of every head sees only what row t of the mask shows (a different key per row)."""
+    q, k, _, _ = _qkv(1, 6, 2, 3, 3, 8)
+    v = torch.arange(3.0)[None, None, :, None].expand(1, 2, 3, 8).contiguous()
+    out = gqa_attention(q, k, v, torch.eye(3, dtype=torch.bool)[None, None])
+    assert torch.equal(out[0, :, :, 0], torch.arange(3.0)[None].expand(6, 3))
+
+
+def test_bad_input():
+    q, k, v, _ = _qkv(1, 9, 3, 4, 10, 8)
+    with pytest.raises(ValueError, match="split"):
+        gqa_attention(q[:, :8], k[:, :3], v[:, :3])
+    with pytest.raises(ValueError, match="one mask for every head"):
+        gqa_attention(q, k, v, torch.ones(1, 9, 4, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="expected"):
+        gqa_attention(q[0], k[0], v[0])
+
+
+def _tree_forward(model, n_prompt=12, parents=(-1, 0, 0, 1, 1, 2)):
+    gen = torch.Generator().manual_seed(0)
+    cache = {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"):
+             DynamicCache(config=model.config)}
+    ids = torch.randint(0, 256, (1, n_prompt), generator=gen)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache)
+        par = torch.tensor([parents], dtype=torch.int32)
+        n = len(parents)
+        mask = ops.tree_attention_mask(par, torch.tensor([n], dtype=torch.int32),
+                                       torch.ones(1, n_prompt, dtype=torch.bool), torch.float32)
+        depth = torch.zeros(n, dtype=torch.long)
+        for i, p in enumerate(parents):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        tokens = torch.randint(0, 256, (1, n), generator=gen)
+        return model(input_ids=tokens, attention_mask=mask, position_ids=(n_prompt + depth)[None], use_cache=True,
+                     **cache).logits
+
+
+def test_transformers_model_through_it(monkeypatch):
+    """A tree forward of an SDPA model gives the same logits through gqa_attention, which runs in
+    every layer (counted), while a prefill longer than MAX_PACKED_ROWS keeps SDPA's own path."""
+    model = tiny_target()
+    assert attention_kind(model) == "sdpa"
+    plain = _tree_forward(model)
+    assert use_packed_attention(model) and attention_kind(model) == NAME
+    calls = []
+    real = attention.gqa_attention
+    monkeypatch.setattr(attention, "gqa_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    packed = _tree_forward(model)
+    assert calls == [6] * model.config.num_hidden_layers
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    calls.clear()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, MAX_PACKED_ROWS + 1)))
+    assert calls == []
+    restore_sdpa_attention(model)
+    assert attention_kind(model) == "sdpa"
+
+
+def test_other_attention_left_alone():
+    model = tiny_target()
+    model.set_attn_implementation("eager")
+    assert not use_packed_attention(model) and attention_kind(model) == "eager"
+
+
+def test_load_target_packs():
+    assert attention_kind(load_target("tiny").target) == NAME
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", ["chain", "dartree", "ddtree"])
+def test_greedy_decoding_lossless_through_it(kind, method):
+    """float32, 3 requests of different lengths, an oracle drafter (long accepted paths): every
+    method's output through the packed attention equals HF greedy generate's through SDPA."""
+    from dartree_ext.models import LookupDrafter
+    from models import greedy_reference, tiny_drafter
+    from models import tiny_target as test_target
+    model = test_target(kind)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 11, 1)]
+    refs = [greedy_reference(model, p, 24) for p in prompts]
+    assert use_packed_attention(model)
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+    oracle = LookupDrafter(tiny_drafter(model), [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    out = SpeculativeDecoder(model, oracle, method, budget=24, width=4, K=8).generate(ids, mask, max_new_tokens=24)
+    assert out.stats.tau > 2.0
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, width:].tolist() == ref.tolist()
