@@ -237,3 +237,30 @@ def test_drafter_context_kv_equals_projecting_the_context():
             got = drafter(roots, root_pos, ctx, pos, valid, context_kv=kv)
         torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.base_logits, want.base_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("linear", ["torch", "few_rows"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_drafter_positions_are_the_full_pass_prefix(linear, layers):
+    """forward(..., positions=p) gives the full pass's first p positions (hidden states and base
+    logits; bit for bit with few_rows_linear, which is batch-invariant), and only those."""
+    from dartree_ext.linear import set_linear
+    target = tiny_target()
+    drafter = tiny_drafter(target, num_layers=layers)
+    set_linear(drafter, linear)
+    gen = torch.Generator().manual_seed(5)
+    ctx = torch.randn(2, 7, drafter.config.hidden_size, generator=gen)
+    pos, valid = torch.arange(7)[None].expand(2, -1), torch.rand(2, 7, generator=gen) > 0.2
+    roots, root_pos = torch.tensor([3, 5]), torch.tensor([7, 7])
+    with torch.no_grad():
+        full = drafter(roots, root_pos, ctx, pos, valid)
+        for p in (1, 3, drafter.config.block_size - 1):
+            part = drafter(roots, root_pos, ctx, pos, valid, positions=p)
+            assert part.hidden.shape[1] == p and part.base_logits.shape[1] == p
+            if linear == "few_rows":
+                assert torch.equal(part.hidden, full.hidden[:, :p])
+                assert torch.equal(part.base_logits, full.base_logits[:, :p])
+            else:
+                torch.testing.assert_close(part.base_logits, full.base_logits[:, :p], atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="positions"):
+            drafter(roots, root_pos, ctx, pos, valid, positions=drafter.config.block_size)

@@ -292,6 +292,12 @@ def cpu_bf16_native() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def model_digest(model: torch.nn.Module) -> str:
+    """A short hash of a model's full config: the architecture part of a cached measurement's key."""
+    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+    return hashlib.sha256(cfg.encode()).hexdigest()[:16]
+
+
 def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: torch.device | str,
              nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
@@ -299,15 +305,13 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
     from ..attention import attention_kind
     from ..linear import linear_kind
     param = next(target.parameters())
-    cfg = target.config.to_json_string(use_diff=False) if hasattr(target.config, "to_json_string") else str(
-        target.config)
     dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
         drafter, "config") and hasattr(drafter.config, "to_dict") else ""
     dparam = next(drafter.parameters()).dtype if drafter is not None and any(True for _ in drafter.parameters()) \
         else None
     return {
         "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
-        "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "drafter": hashlib.sha256(dcfg.encode()).hexdigest()[:16],
+        "model": model_digest(target), "drafter": hashlib.sha256(dcfg.encode()).hexdigest()[:16],
         "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
@@ -535,9 +539,8 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
         linears = ("torch",)
         if torch.bfloat16 in dtypes:
             return torch.bfloat16, "torch", {}
-    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
     key = {"kind": "dtype", "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
-           "model": hashlib.sha256(cfg.encode()).hexdigest()[:16], "device": device_name(param.device),
+           "model": model_digest(model), "device": device_name(param.device),
            "threads": torch.get_num_threads(), "candidates": [str(c) for c in dtypes], "tokens": list(tokens),
            "attention": attention_kind(model)}
     if list(linears) != ["torch"]:

@@ -791,6 +791,8 @@ class SpeculativeDecoder:
             kw = {}
             if state.context_kv is not None:
                 kw["context_kv"] = [kv[:, :state.cache_len] for kv in state.context_kv]
+            if self.auto:  # only the positions a tree is built from (_draft_depth)
+                kw["positions"] = self._draft_depth(self.drafter.config.block_size - 1)
             draft = self.drafter(state.root, state.position, state.context[:, :state.cache_len],
                                  (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid, **kw)
             if self._vh_used and draft.hidden.shape[1]:

@@ -188,12 +188,14 @@ class DrafterLayer(AttentionMLPLayer):
         return torch.stack([k, v], 1).permute(0, 3, 1, 2, 4)
 
     def forward(self, x: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-                ctx_mask: torch.Tensor, ctx_kv: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_mask: torch.Tensor, ctx_kv: torch.Tensor | None = None, queries: int | None = None) -> torch.Tensor:
         """``ctx_kv``: :meth:`context_kv` of ``ctx`` (``[B, S, 2, kv_heads, head_dim]``), when the
-        caller keeps it; ``ctx`` is not read then."""
+        caller keeps it; ``ctx`` is not read then. ``queries``: the output for the first
+        ``queries`` block rows only (keys and values still come from every row)."""
         cfg = self.cfg
         hx = self.attn_norm(x)
-        q = _rope(self._heads(self.q_proj(hx), cfg.num_heads), block_pos, cfg.rope_theta)
+        rows = x.shape[1] if queries is None else queries
+        q = _rope(self._heads(self.q_proj(hx[:, :rows]), cfg.num_heads), block_pos[:, :rows], cfg.rope_theta)
         if ctx_kv is None:
             keys_in = torch.cat([ctx.expand(x.shape[0], -1, -1), hx], 1)
             pos = torch.cat([ctx_pos.expand(x.shape[0], -1), block_pos], 1)
@@ -206,7 +208,7 @@ class DrafterLayer(AttentionMLPLayer):
             v = torch.cat([ctx_kv[:, :, 1].transpose(1, 2), self._heads(self.v_proj(hx), cfg.num_kv_heads)], 2)
         visible = torch.cat([ctx_mask.expand(x.shape[0], -1),
                              torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)], 1)
-        return self.attend(x, q, k, v, visible[:, None, None, :])
+        return self.attend(x[:, :rows], q, k, v, visible[:, None, None, :])
 
 
 class CorrectionHead(nn.Module):
@@ -539,13 +541,19 @@ class BlockDrafter(TargetAttached, nn.Module):
 
     def forward(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, context: torch.Tensor,
                 context_positions: torch.Tensor, context_mask: torch.Tensor,
-                context_kv: list[torch.Tensor] | None = None) -> DraftOutput:
+                context_kv: list[torch.Tensor] | None = None, positions: int | None = None) -> DraftOutput:
         """One drafting pass. ``root_tokens int64[B]`` at ``root_positions int64[B]``; context
         vectors ``[B or 1, S, H]`` (:meth:`project_context`) at ``context_positions
         int64[B or 1, S]``, visible where ``context_mask bool[B or 1, S]``. ``context_kv``
         (:meth:`context_kv` of the same context, kept by the caller) saves projecting the context
-        again; the result is the same."""
+        again; the result is the same. ``positions`` (1 .. block_size - 1): outputs for the first
+        ``positions`` drafted positions only. The block's keys and values still come from all of
+        it, so these equal the full pass's first positions (bit for bit where the linear layers
+        are batch-invariant, as ``few_rows_linear``); the last layer's queries, MLP, norm and head
+        skip the rest."""
         cfg = self.config
+        if positions is not None and not 1 <= positions <= cfg.block_size - 1:
+            raise ValueError(f"positions must be in [1, {cfg.block_size - 1}], got {positions}")
         batch = root_tokens.shape[0]
         dtype = self.dtype
         root = self.embedding(root_tokens).to(dtype)
@@ -554,9 +562,11 @@ class BlockDrafter(TargetAttached, nn.Module):
             masks = masks + root[:, None]
         x = torch.cat([root[:, None], masks], 1)
         block_pos = root_positions[:, None] + torch.arange(cfg.block_size, device=root_tokens.device)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, block_pos, context, context_positions, context_mask,
-                      None if context_kv is None else context_kv[i])
+                      None if context_kv is None else context_kv[i],
+                      queries=None if positions is None or i < last else positions + 1)
         hidden = self.norm(x[:, 1:])
         head_w = self.lm_head.weight
         if self.draft_vocab is not None and not self.training:

@@ -30,8 +30,9 @@ class LookupDrafter(BlockDrafter):
         self.miss, self.gen = miss, torch.Generator().manual_seed(seed)
 
     def forward(self, root_tokens, root_positions, context, context_positions, context_mask,
-                context_kv=None) -> DraftOutput:
-        out = super().forward(root_tokens, root_positions, context, context_positions, context_mask, context_kv)
+                context_kv=None, positions=None) -> DraftOutput:
+        out = super().forward(root_tokens, root_positions, context, context_positions, context_mask, context_kv,
+                              positions)
         logits = torch.randn(tuple(out.base_logits.shape), generator=self.gen)
         for row, (tok, pos) in enumerate(zip(root_tokens.tolist(), root_positions.tolist())):
             seq = next((s for s in self.sequences if pos < len(s) and s[pos] == tok), None)
