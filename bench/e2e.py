@@ -11,6 +11,7 @@ output equals ``ar``'s (at T = 0 it must: the script exits 1 otherwise).
         --num-prompts 10 --temperatures 0,1 --json bench/results/e2e.json
     python bench/e2e.py ... --sweep width=4,8,12,16 --methods dartree   # tau vs W (also budget=, beta=)
     python bench/e2e.py ... --drafter vat=DIR1,dflash=DIR2 --methods chain,dartree  # drafters side by side
+    python bench/e2e.py ... --methods dartree,dartree/attention=sdpa   # the target's attention, A/B
 
 With several drafters (``label=DIR,...``) every method runs once per drafter, named
 ``method@label``. The run ends with a summary over the sets: per method and temperature, the mean
@@ -26,6 +27,7 @@ from collections import Counter
 
 import torch
 
+from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import choose_forward
@@ -52,6 +54,7 @@ class Params:
     early_exit: float | None = None     # the verification head's threshold p (None: no early exit)
     estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
+    attention: str = "packed"           # the target's attention: "packed" (dartree_ext.attention) or "sdpa"
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -76,6 +79,8 @@ class Runner:
 
     def __init__(self, target, drafter, method: str, params: Params, temperature: float, max_new_tokens: int,
                  stops: list[int], device: str, seed: int = 0) -> None:
+        if params.attention not in ("packed", "sdpa"):
+            raise SystemExit(f"attention must be 'packed' or 'sdpa', got {params.attention!r}")
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
                                       depth_bonus=params.depth_bonus, early_exit=params.early_exit,
                                       estimator=params.estimator, lookup=params.lookup if method != "ar" else None)
@@ -88,6 +93,8 @@ class Runner:
         self.plain, self.auto = 0, Counter()  # budget="auto": plain rounds; prediction vs measurement
 
     def step(self, g: int, group: list[list[int]]) -> None:
+        # the target attends as this row asks (an A/B inside one run: dartree/attention=sdpa)
+        (restore_sdpa_attention if self.params.attention == "sdpa" else use_packed_attention)(self.dec.target)
         ids, mask = left_pad(group)
         gen = torch.Generator(device=self.device).manual_seed(self.seed + g)
         if self.device == "cuda":
@@ -136,49 +143,60 @@ def run(target, drafter, method: str, groups: list[list[list[int]]], params: Par
     return runner.result()
 
 
-def run_hf(target, groups: list[list[list[int]]], temperature: float, max_new_tokens: int, stops: list[int],
-           device: str, seed: int = 0, prompt_lookup: int | None = None) -> dict:
-    """HF ``generate`` on the same prompts (greedy, or sampling at T > 0), timed like ``run``: the
-    baseline that shows the ``ar`` loop is not a slow strawman. ``prompt_lookup=N``: HF's own
-    prompt-lookup decoding (``prompt_lookup_num_tokens=N``), row ``hf_prompt_lookup``."""
-    import time
-    seconds = tokens = 0
-    outputs = []
-    for g, group in enumerate(groups):
-        ids, mask = left_pad(group, device=device)
-        kw = dict(max_new_tokens=max_new_tokens, attention_mask=mask, eos_token_id=stops or None,
+class HFRunner:
+    """HF ``generate`` on the same prompts (greedy, or sampling at T > 0), timed like
+    :class:`Runner` and stepped with it, one group at a time between the methods: the baseline
+    that shows the ``ar`` loop is not a slow strawman. ``prompt_lookup=N``: HF's own prompt-lookup
+    decoding (``prompt_lookup_num_tokens=N``), row ``hf_prompt_lookup``."""
+
+    def __init__(self, target, temperature: float, max_new_tokens: int, stops: list[int], device: str,
+                 seed: int = 0, prompt_lookup: int | None = None) -> None:
+        self.target, self.temperature, self.max_new_tokens = target, temperature, max_new_tokens
+        self.stops, self.device, self.seed, self.prompt_lookup = stops, device, seed, prompt_lookup
+        self.seconds = self.tokens = 0
+        self.outputs = []
+
+    def step(self, g: int, group: list[list[int]]) -> None:
+        import time
+        use_packed_attention(self.target)  # as plain decoding (`ar`) runs
+        ids, mask = left_pad(group, device=self.device)
+        stops = self.stops
+        kw = dict(max_new_tokens=self.max_new_tokens, attention_mask=mask, eos_token_id=stops or None,
                   pad_token_id=stops[0] if stops else 0)
-        if prompt_lookup:
-            kw["prompt_lookup_num_tokens"] = prompt_lookup
-        if temperature > 0:
-            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        if self.prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = self.prompt_lookup
+        if self.temperature > 0:
+            kw.update(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
         else:
             kw.update(do_sample=False)
+
         def timed(n):
-            if temperature > 0:
-                torch.manual_seed(seed + g)
-            if device == "cuda":
+            if self.temperature > 0:
+                torch.manual_seed(self.seed + g)
+            if self.device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             with torch.no_grad():
-                seq = target.generate(ids, **dict(kw, max_new_tokens=n))
-            if device == "cuda":
+                seq = self.target.generate(ids, **dict(kw, max_new_tokens=n))
+            if self.device == "cuda":
                 torch.cuda.synchronize()
             return seq, time.perf_counter() - start
 
         _, first = timed(1)        # prefill + the first token: left out, as the decoder's prefill is
-        seq, total = timed(max_new_tokens)
-        new = seq[:, ids.shape[1]:].tolist()
+        seq, total = timed(self.max_new_tokens)
         outs = []
-        for row in new:  # up to and including the first stop token, as the decoder returns them
+        for row in seq[:, ids.shape[1]:].tolist():  # up to and including the first stop token, as the decoder
             cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             outs.append(row[:cut])
-        seconds += max(0.0, total - first)
-        tokens += sum(len(o) for o in outs) - len(outs)
-        outputs.append(outs)
-    return dict(method="hf_prompt_lookup" if prompt_lookup else "hf_generate", temperature=temperature, params={}, tau=1.0, tau_macro=1.0, seconds=seconds,
-                tokens=tokens, rounds=tokens, ms_per_token=1e3 * seconds / max(1, tokens), mean_tree_nodes=0.0,
-                split={}, accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=outputs)
+        self.seconds += max(0.0, total - first)
+        self.tokens += sum(len(o) for o in outs) - len(outs)
+        self.outputs.append(outs)
+
+    def result(self) -> dict:
+        return dict(method="hf_prompt_lookup" if self.prompt_lookup else "hf_generate", temperature=self.temperature,
+                    params={}, tau=1.0, tau_macro=1.0, seconds=self.seconds, tokens=self.tokens, rounds=self.tokens,
+                    ms_per_token=1e3 * self.seconds / max(1, self.tokens), mean_tree_nodes=0.0, split={},
+                    accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=self.outputs)
 
 
 def first_divergence(outputs: list, reference: list) -> list:
@@ -346,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             if oracle:
                 for g, group in enumerate(groups):
                     ar_runner.step(g, group)
-            runners, hf_done = [], None
+            runners = []
             for label, drafter in drafters:
                 if oracle:
                     refs = [torch.tensor(p + o) for g, outs in zip(groups, ar_runner.outputs) for p, o in zip(g, outs)]
@@ -366,19 +384,18 @@ def main(argv: list[str] | None = None) -> int:
                                         stops, args.device)
                         runner.method = spec
                         runners.append((label, runner))
+            hf_runners = ([HFRunner(target, temperature, args.max_new_tokens, stops, args.device)] if args.hf else []) \
+                + ([HFRunner(target, temperature, args.max_new_tokens, stops, args.device, prompt_lookup=args.hf_lookup)]
+                   if args.hf_lookup else [])
             for g, group in enumerate(groups):
                 if not oracle:
                     ar_runner.step(g, group)
+                for runner in hf_runners:
+                    runner.step(g, group)
                 for _, runner in runners:
                     runner.step(g, group)
             ar = ar_runner.result()
-            results = [ar]
-            if args.hf:
-                hf_done = run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device)
-                results.append(hf_done)
-            if args.hf_lookup:
-                results.append(run_hf(target, groups, temperature, args.max_new_tokens, stops, args.device,
-                                      prompt_lookup=args.hf_lookup))
+            results = [ar] + [runner.result() for runner in hf_runners]
             for label, runner in runners:
                 r = runner.result()
                 r["drafter"] = label or args.drafter

@@ -78,6 +78,31 @@ def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):
     assert summary["dartree"]["mean_tau"] == pytest.approx(rows[2]["tau"]) and summary["ar"]["mean_speedup"] == 1.0
 
 
+def test_e2e_bench_attention_and_hf_rows(tmp_path, monkeypatch):
+    """A method row can run the target through transformers' SDPA attention (the A/B of
+    dartree_ext.attention) in the same run, lossless like the packed rows; HF generate is stepped
+    prompt by prompt with the methods and its row names it; a bad attention value is refused."""
+    e2e = _e2e()
+    seen = []
+    real = e2e.Runner.step
+
+    def step(self, g, group):
+        real(self, g, group)
+        seen.append((self.method, self.dec.target.config._attn_implementation))
+
+    monkeypatch.setattr(e2e.Runner, "step", step)
+    result = tmp_path / "r.json"
+    code = e2e.main(["--num-prompts", "2", "--max-new-tokens", "6", "--budget", "8", "--drafter", "oracle", "--hf",
+                     "--methods", "dartree,dartree/attention=sdpa", "--json", str(result)])
+    assert code == 0
+    rows = json.load(open(result))
+    assert [r["method"] for r in rows] == ["ar", "hf_generate", "dartree", "dartree/attention=sdpa"]
+    assert all(r["same_as_ar"] for r in rows[2:])
+    assert ("dartree/attention=sdpa", "sdpa") in seen and ("dartree", "dartree_sdpa") in seen
+    with pytest.raises(SystemExit, match="attention must be"):
+        e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--methods", "dartree/attention=flash"])
+
+
 def test_e2e_bench_compares_drafters_side_by_side(tmp_path, capsys):
     from dartree_ext.loading import load_drafter, load_target
     e2e = _e2e()
