@@ -49,7 +49,7 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
             mask = _tiled(mask, rep)
     packed = query.reshape(b, kv_heads, rep * t, d)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
-    return out.view(b, heads, t, out.shape[-1])
+    return out.reshape(b, heads, t, out.shape[-1])
 
 
 _last_tiled: tuple = (None, -1, 0, None)  # (mask, its version, rep, tiled): every layer of a forward shares it
