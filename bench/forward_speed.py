@@ -90,14 +90,12 @@ def tree_forward_ms(model: torch.nn.Module, tokens: int, context: int) -> float:
         _CACHES.update(key=key, cache=cache)
     cache = _CACHES["cache"]
     parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, tokens)]], dtype=torch.int32)
-    depth = [0] * tokens
-    for i in range(1, tokens):
-        depth[i] = depth[(i - 1) // 2] + 1
-    mask = ops.tree_attention_mask(parents, torch.tensor([tokens], dtype=torch.int32),
-                                   torch.ones(1, context, dtype=torch.bool), param.dtype)
+    num_nodes = torch.tensor([tokens], dtype=torch.int32)
+    depths = ops.tree_ancestor_bits(parents, num_nodes)[1]
+    mask = ops.tree_attention_mask(parents, num_nodes, torch.ones(1, context, dtype=torch.bool), param.dtype)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen)
     start = time.perf_counter()
-    model(input_ids=ids, attention_mask=mask, position_ids=(context + torch.tensor(depth))[None], use_cache=True,
+    model(input_ids=ids, attention_mask=mask, position_ids=context + depths.long(), use_cache=True,
           **{cache_kw: cache})
     ms = 1e3 * (time.perf_counter() - start)
     _drop_last(cache, tokens)

@@ -791,7 +791,7 @@ class SpeculativeDecoder:
             kw = {}
             if state.context_kv is not None:
                 kw["context_kv"] = [kv[:, :state.cache_len] for kv in state.context_kv]
-            if self.auto:  # only the positions a tree is built from (_draft_depth)
+            if self.auto:  # only the positions a tree is built from: recent chosen depths + 2 (_draft_depth)
                 kw["positions"] = self._draft_depth(self.drafter.config.block_size - 1)
             draft = self.drafter(state.root, state.position, state.context[:, :state.cache_len],
                                  (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid, **kw)
@@ -881,8 +881,6 @@ class SpeculativeDecoder:
             if self.early_exit is not None:  # up to the predicted first rejection
                 cut = _leading_at_least(prob, self.early_exit)
                 keep = min(keep, int(cut.max()))
-            if self.auto:  # no deeper than recent chosen trees + 2
-                keep = min(keep, self._draft_depth(hidden.shape[1]))
             if keep == 0:
                 run.tick("tree")
                 return self.plain_tree(state.root), (0 if self.auto else None)
