@@ -30,8 +30,8 @@ import torch
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
-from dartree_ext.decoding.cost import choose_forward
-from dartree_ext.linear import LINEAR_KINDS, set_linear
+from dartree_ext.decoding.cost import resolve_forward
+from dartree_ext.linear import LINEAR_KINDS
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
@@ -320,11 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     target, tok = loaded.target, loaded.tokenizer
-    if torch.device(args.device).type != "cpu":
-        args.linear = "torch"
-    elif args.linear == "auto":
-        args.linear = choose_forward(target, (target.dtype,))[1]
-    set_linear(target, args.linear)
+    target, _, args.linear, _ = resolve_forward(target, target.dtype, args.linear)
     stops = stop_tokens(tok, target)
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
     drafters = []

@@ -2,11 +2,14 @@
 weights alone and then in the target's forward over n new tokens, per dtype (and per thread count
 with --threads); --prefill adds a 256-token forward's throughput; --attention times a tree
 verification's forward (a tree-attention mask over the cache) through transformers' SDPA attention
-against :func:`dartree_ext.attention.gqa_attention` (no repeated keys/values).
+against :func:`dartree_ext.attention.gqa_attention` (no repeated keys/values); --drafter-positions
+times the shipped drafter's pass for its first p positions only (``BlockDrafter.forward(...,
+positions=p)``, what ``budget="auto"`` asks for) against all of them.
 
     python bench/forward_speed.py --target smollm2 --json bench/results/forward_speed.json
     python bench/forward_speed.py --threads 1,2 --rows "" --tokens 1,65 --prefill
     python bench/forward_speed.py --rows "" --tokens "" --attention 1,4,8,16 --contexts 200,800
+    python bench/forward_speed.py --rows "" --tokens "" --drafter-positions 2,4,6,8
 
 Part 1 runs 60 distinct [1536, 576] weights (SmolLM2's MLP shape, 53M parameters, more than the
 caches hold) through each implementation, best of 5, every implementation in turn at each row
@@ -128,6 +131,35 @@ def attention_times(model: torch.nn.Module, tokens: list[int], contexts: list[in
 
 
 @torch.no_grad()
+def drafter_times(target: torch.nn.Module, positions: list[int], context: int, reps: int) -> list[dict]:
+    """The shipped drafter's pass after ``context`` committed slots (their keys and values kept, as
+    the decoder keeps them), for the first p positions and for all of them, in turn (median of
+    ``reps`` after a warm-up round); the drafter set up like the target (its linear layers)."""
+    from dartree_ext.loading import load_drafter, shipped_drafter
+    drafter = load_drafter(shipped_drafter("SmolLM2-135M-Instruct"), target)   # a SmolLM2-shaped target
+    cfg, gen = drafter.config, torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, context, cfg.hidden_size, generator=gen).to(drafter.dtype)
+    cpos, cmask = torch.arange(context)[None], torch.ones(1, context, dtype=torch.bool)
+    root, rpos = torch.randint(0, cfg.vocab_size, (1,), generator=gen), torch.tensor([context])
+    ctx_kv = drafter.context_kv(ctx, cpos)  # kept per slot by the decoder, not recomputed per round
+    full = cfg.block_size - 1
+    samples: dict[int, list[float]] = {p: [] for p in [*positions, full]}
+    for rep in range(reps + 1):
+        for p in samples:
+            start = time.perf_counter()
+            drafter(root, rpos, ctx, cpos, cmask, ctx_kv, positions=None if p == full else p)
+            if rep:
+                samples[p].append(1e3 * (time.perf_counter() - start))
+    all_ms = statistics.median(samples[full])
+    out = []
+    for p in samples:
+        ms = statistics.median(samples[p])
+        out.append({"positions": p, "ms": round(ms, 3), "all_over_this": round(all_ms / ms, 3)})
+        print(f"  {p:2d} positions: {ms:6.2f} ms  (all {full} / this: {all_ms / ms:.2f})", flush=True)
+    return out
+
+
+@torch.no_grad()
 def prefill_tokens_per_s(model: torch.nn.Module, tokens: int = 256) -> float:
     """Tokens per second of one forward over ``tokens`` fresh tokens (second of two calls)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -152,19 +184,23 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="", help="tree sizes (tokens incl. the root) for the attention part, "
                    "e.g. 1,4,8,16 ('' skips it); each dtype with the linear layers torch/few_rows as --linear says")
     p.add_argument("--contexts", default="200,800", help="the attention part's cache lengths")
-    p.add_argument("--linear", default="few_rows", choices=LINEAR_KINDS, help="the attention part's linear layers")
+    p.add_argument("--linear", default="few_rows", choices=LINEAR_KINDS, help="the attention and drafter parts' "
+                   "linear layers")
+    p.add_argument("--drafter-positions", default="", help="drafted positions for the drafter part, e.g. 2,4,6,8 "
+                   "('' skips it): the shipped SmolLM2 drafter in bfloat16 after a --drafter-context slot context")
+    p.add_argument("--drafter-context", type=int, default=300)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows, tokens, threads = _ints(args.rows), _ints(args.tokens), _ints(args.threads)
-    tree_sizes, contexts = _ints(args.attention), _ints(args.contexts)
+    tree_sizes, contexts, draft_positions = _ints(args.attention), _ints(args.contexts), _ints(args.drafter_positions)
     result = {"device": device_name("cpu"), "bf16_native": cpu_bf16_native(), "torch": torch.__version__,
               "few_rows_linear": build_info()["few_rows_linear"], "runs": []}
     print(f"{result['device']} (bf16 native: {result['bf16_native']}), few_rows paths {result['few_rows_linear']}")
     models = {dtype: load_target(args.target, dtype=dtype).target for dtype in DTYPES} \
-        if tokens or args.prefill or tree_sizes else {}
+        if tokens or args.prefill or tree_sizes or draft_positions else {}
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}, "attention": {}}
+        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}, "attention": {}, "drafter": []}
         print(f"{n_threads} threads")
         if rows:
             print("60 x [1536, 576] weights:")
@@ -180,6 +216,11 @@ def main(argv=None) -> int:
                 set_linear(model, args.linear)
                 run["attention"][str(dtype)[6:]] = attention_times(model, tree_sizes, contexts, args.reps)
                 set_linear(model, "torch")
+        if draft_positions:
+            print(f"shipped drafter pass (bfloat16, {args.linear} linear layers), {args.drafter_context}-slot context:")
+            set_linear(models[torch.bfloat16], args.linear)
+            run["drafter"] = drafter_times(models[torch.bfloat16], draft_positions, args.drafter_context, args.reps)
+            set_linear(models[torch.bfloat16], "torch")
         if args.prefill:
             for dtype, model in models.items():
                 run["prefill_tok_s"][str(dtype)[6:]] = round(prefill_tokens_per_s(model), 1)

@@ -185,24 +185,15 @@ def _load_for_generate(args):
     """The target (in the dtype ``--dtype`` asks for and with the linear layers ``--linear`` asks
     for, measured once for ``auto``), its tokenizer, the drafter, the budget, and the forward times
     the choice was made from."""
-    from .decoding.cost import choose_forward
-    from .linear import set_linear
+    from .decoding.cost import resolve_forward
     from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
-    target, dtype_ms = loaded.target, {}
-    linear = "torch" if torch.device(args.device).type != "cpu" else args.linear
-    if args.dtype == "auto" or linear == "auto":
-        dtype, chosen, dtype_ms = choose_forward(target, (torch.float32, torch.bfloat16) if args.dtype == "auto"
-                                                 else (dtype,), ("torch", "few_rows") if linear == "auto" else (linear,))
-        linear = chosen
-        target = target.to(dtype)
-        log.info("dtype %s, linear %s (forward ms here: %s)", str(dtype).replace("torch.", ""), linear,
-                 dtype_ms or "not measured: bfloat16 on CUDA")
-    set_linear(target, linear)
-    args.linear = linear
+    target, dtype, args.linear, dtype_ms = resolve_forward(loaded.target, args.dtype, args.linear)
+    log.info("dtype %s, linear %s (forward ms here: %s)", str(dtype).replace("torch.", ""), args.linear,
+             dtype_ms or "not measured")
     budget = args.budget
     if budget == "auto" and args.method not in AUTO_METHODS:
         budget = 64

@@ -78,14 +78,18 @@ def test_training_prompts(P):
     assert kinds.count("stdlib-methods") >= 200 and kinds[third:fourth].count("math-word-problems") >= 1100
     fifth = next((i for i, k in enumerate(kinds) if k in ("magpie-code", "magpie-math")), len(kinds))
     assert set(kinds[fourth:fifth]) == {"magpie"} and fifth - fourth >= 4000
-    # the fifth part (Magpie requests written under a code / a math system prompt) comes last
-    assert set(kinds[fifth:]) <= {"magpie-code", "magpie-math"}
+    # the fifth part (Magpie requests written under a code / a math system prompt), then the
+    # sixth (under a writing / an explaining one)
+    sixth = next((i for i, k in enumerate(kinds) if k in ("magpie-writing", "magpie-explain")), len(kinds))
+    assert set(kinds[fifth:sixth]) <= {"magpie-code", "magpie-math"}
+    assert set(kinds[sixth:]) <= {"magpie-writing", "magpie-explain"}
     short = P.training_prompts(max_chars=1200)   # what dartree-train --prompts shipped reads
     first_short = min(i for i, p in enumerate(short) if p.source in ("stdlib-code", "math-word-problems"))
     assert first_short == 603 and [p.id for p in short[first_short:]] == [p.id for p in train[first_new:]]
     assert [p.source for p in short].index("stdlib-methods") == 1306
     assert [p.source for p in short].index("magpie") == 2751
-    assert all(p.source in ("magpie-code", "magpie-math") for p in short[6751:])
+    assert all(p.source in ("magpie-code", "magpie-math") for p in short[6751:9750])
+    assert all(p.source in ("magpie-writing", "magpie-explain") for p in short[9750:])
     code = next(p for p in train if p.source == "stdlib-code")
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
     method = next(p for p in train if p.source == "stdlib-methods")

@@ -211,9 +211,8 @@ def test_greedy_decoding_lossless_with_few_rows():
     assert DEFAULT_MAX_ROWS >= 65                                         # a 64-node tree and its root
 
 
-def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
-    times = {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0, (torch.float32, "few_rows"): 4.0,
-             (torch.bfloat16, "few_rows"): 2.0}
+def _fake_forward_times(monkeypatch, times: dict) -> list:
+    """``forward_ms`` answers ``times[(dtype, linear)]``; returns the list of its calls' tokens."""
     calls = []
 
     def fake_forward(model, tokens, reps, context=64):
@@ -221,6 +220,12 @@ def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
         return times[(next(model.parameters()).dtype, linear_kind(model))]
 
     monkeypatch.setattr(costmod, "forward_ms", fake_forward)
+    return calls
+
+
+def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
+    calls = _fake_forward_times(monkeypatch, {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0,
+                                              (torch.float32, "few_rows"): 4.0, (torch.bfloat16, "few_rows"): 2.0})
     target = tiny_target()
     dtype, linear, ms = costmod.choose_forward(target, tokens=(1, 9), reps=1)
     assert (dtype, linear) == (torch.bfloat16, "few_rows")
@@ -239,6 +244,26 @@ def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
     assert costmod.choose_forward(target, (torch.float32,), tokens=(1, 9), reps=1)[:2] == (torch.float32, "few_rows")
     with pytest.raises(ValueError, match="linears"):
         costmod.choose_forward(target, linears=("fast",))
+
+
+def test_resolve_forward_applies_the_set_up(cache_dir, monkeypatch):
+    """What dartree-generate and bench/e2e.py do with --dtype / --linear: explicit choices are
+    applied without measuring, "auto" takes choose_forward's pick, bad names are refused."""
+    calls = _fake_forward_times(monkeypatch, {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0,
+                                              (torch.float32, "few_rows"): 4.0, (torch.bfloat16, "few_rows"): 6.0})
+    model, dtype, linear, ms = costmod.resolve_forward(tiny_target(), "float32", "few_rows")
+    assert (dtype, linear, ms, calls) == (torch.float32, "few_rows", {}, [])
+    assert linear_kind(model) == "few_rows" and next(model.parameters()).dtype == torch.float32
+    model, dtype, linear, ms = costmod.resolve_forward(tiny_target(), "auto", "auto")
+    assert (dtype, linear) == (torch.bfloat16, "torch") and calls and set(ms) == {
+        "float32", "float32+few_rows", "bfloat16", "bfloat16+few_rows"}
+    assert linear_kind(model) == "torch" and next(model.parameters()).dtype == torch.bfloat16
+    model, dtype, linear, _ = costmod.resolve_forward(tiny_target(), torch.float32, "auto")
+    assert (dtype, linear) == (torch.float32, "few_rows") and linear_kind(model) == "few_rows"
+    with pytest.raises(ValueError, match="dtype"):
+        costmod.resolve_forward(tiny_target(), "float16", "torch")
+    with pytest.raises(ValueError, match="linear"):
+        costmod.resolve_forward(tiny_target(), "float32", "fast")
 
 
 def test_cost_key_names_the_linear():

@@ -168,6 +168,10 @@ def test_cached_features_match_the_target(tmp_path):
     cache = FeatureCache.build(trainer.target, trainer.drafter.config.target_layer_ids, seqs, str(tmp_path / "f"),
                                batch_size=3, progress=False)
     assert len(cache) == len(seqs) and len(os.listdir(tmp_path / "f")) == 3
+    assert [f.shape[0] for f in cache.features] == [len(s) for s in seqs]   # back in the input order
+    shards = [torch.load(tmp_path / "f" / name)["tokens"] for name in sorted(os.listdir(tmp_path / "f"))]
+    lengths = [len(s) for chunk in shards for s in chunk]
+    assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1   # batched by length
     batch = trainer.sampler.batch(1)
     live = target_pass(trainer.target, trainer.drafter, batch)
     cached = cached_target_pass(trainer.target, trainer.drafter, batch, cache)

@@ -524,11 +524,9 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     on copies of ``model`` (every set-up in turn, ``reps`` times; the median) and cached like the
     cost model. Off the CPU: torch's linear, and
     bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows]": ms})``."""
-    import copy
-
     from .. import __version__, build_info
     from ..attention import attention_kind
-    from ..linear import DEFAULT_MAX_ROWS, LINEAR_KINDS, few_rows_max_rows, linear_kind, set_linear
+    from ..linear import LINEAR_KINDS
     param = next(model.parameters())
     if not dtypes or not linears:
         raise ValueError("choose_forward needs at least one dtype and one linear")
@@ -547,37 +545,76 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")
     path = _key_path(key)
-    times = None
-    if not refresh and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-            if saved.get("key") == key:
-                times = saved["ms"]
-        except (OSError, ValueError, KeyError) as e:
-            log.warning("ignoring an unreadable dtype choice %s (%s)", path, e)
+    times = None if refresh else _read_choice(path, key)
     if times is None:
-        # every set-up once per repetition, in turn, so the machine's drift touches all alike
-        original, max_rows = linear_kind(model), few_rows_max_rows(model)
-        samples: dict[str, list[float]] = {}
-        try:
-            trials = [(dtype, model if param.dtype == dtype else copy.deepcopy(model).to(dtype)) for dtype in dtypes]
-            for _ in range(reps):
-                for dtype, trial in trials:
-                    for kind in linears:
-                        set_linear(trial, kind)
-                        name = str(dtype).replace("torch.", "") + ("+few_rows" if kind == "few_rows" else "")
-                        samples.setdefault(name, []).append(sum(forward_ms(trial, n, 1) for n in tokens))
-        finally:
-            set_linear(model, original, max_rows or DEFAULT_MAX_ROWS)
-            trials = None
-        times = {name: statistics.median(values) for name, values in samples.items()}
+        times = _time_setups(model, dtypes, linears, tokens, reps)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"key": key, "ms": times}, f)
     best = min(times, key=times.get)
     name, _, kind = best.partition("+")
     return getattr(torch, name), (kind or "torch"), times
+
+
+def _read_choice(path: str, key: dict) -> dict | None:
+    """The cached forward times of :func:`choose_forward` for ``key``, or ``None``."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        return saved["ms"] if saved.get("key") == key else None
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("ignoring an unreadable dtype choice %s (%s)", path, e)
+        return None
+
+
+def _time_setups(model, dtypes, linears, tokens, reps) -> dict:
+    """Median forward ms of every (dtype, linear) set-up, each timed once per repetition in turn
+    (so the machine's drift touches all alike), on copies of ``model`` in the other dtypes;
+    ``model``'s own linear set-up is restored."""
+    import copy
+
+    from ..linear import DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, set_linear
+    param = next(model.parameters())
+    original, max_rows = linear_kind(model), few_rows_max_rows(model)
+    samples: dict[str, list[float]] = {}
+    try:
+        trials = [(dtype, model if param.dtype == dtype else copy.deepcopy(model).to(dtype)) for dtype in dtypes]
+        for _ in range(reps):
+            for dtype, trial in trials:
+                for kind in linears:
+                    set_linear(trial, kind)
+                    name = str(dtype).replace("torch.", "") + ("+few_rows" if kind == "few_rows" else "")
+                    samples.setdefault(name, []).append(sum(forward_ms(trial, n, 1) for n in tokens))
+    finally:
+        set_linear(model, original, max_rows or DEFAULT_MAX_ROWS)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
+                    linear: str = "auto") -> tuple[torch.nn.Module, torch.dtype, str, dict]:
+    """Apply the target set-up a command line asks for: ``dtype`` (``"auto"``, a dtype name or a
+    ``torch.dtype``) and ``linear`` (``"auto"`` or one of ``LINEAR_KINDS``). Each ``"auto"`` is
+    :func:`choose_forward`'s pick (measured once, cached); off the CPU the linear layers are
+    torch's. ``model`` is moved to the dtype in place. Returns ``(model, dtype, linear, ms)``
+    with ``ms`` the measured forward times (``{}`` when nothing was measured)."""
+    from ..linear import LINEAR_KINDS, set_linear
+    if linear != "auto" and linear not in LINEAR_KINDS:
+        raise ValueError(f"linear must be 'auto' or one of {', '.join(LINEAR_KINDS)}, got {linear!r}")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    if next(model.parameters()).device.type != "cpu":
+        linear = "torch"
+    ms: dict = {}
+    if dtype == "auto" or linear == "auto":
+        dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (dtype,)
+        dtype, linear, ms = choose_forward(model, dtypes, LINEAR_KINDS if linear == "auto" else (linear,))
+    model = model.to(dtype)
+    set_linear(model, linear)
+    return model, dtype, linear, ms
 
 
 def choose_dtype(model: torch.nn.Module, candidates: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),

@@ -43,20 +43,9 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
     ``context [R, S, 2H]`` (:meth:`Eagle3Drafter.project_context` per slot), its keys and values
     ``context_kv [R, S, 2, kv_heads, head_dim]``, ``past_valid bool[R, S]``, ``last_slot int64[R]``
     (the slot of the last committed token, -1 when a row has none)."""
-    rows, device, h = root.shape[0], root.device, drafter.config.hidden_size
-    has_ctx = last_slot >= 0
-    if context.shape[1]:
-        last = _gather_rows(context, last_slot.clamp(min=0)[:, None])[:, 0, :h]
-    else:
-        last = context.new_zeros(rows, h)
-    slot = torch.arange(context.shape[1], device=device)
-    ctx_visible = past_valid & (slot[None] != last_slot[:, None])  # the root's own key comes fresh
-    ctx_k, ctx_v = context_kv[:, :, 0].transpose(1, 2), context_kv[:, :, 1].transpose(1, 2)
+    rows, device = root.shape[0], root.device
+    frontier, ctx_visible, ctx_k, ctx_v = _root_frontier(drafter, root, context, context_kv, past_valid, last_slot)
     exp_k = exp_v = ctx_k[:, :, :0]
-    frontier = _Frontier(nodes=root.new_zeros(rows, 1), tokens=root[:, None],
-                         hidden=torch.where(has_ctx[:, None], last, 0)[:, None],
-                         scores=torch.zeros(rows, 1, device=device), ancestors=torch.zeros(rows, 1, 0, dtype=torch.bool,
-                                                                                           device=device))
     tokens, parents, depths, scores = [root[:, None]], [root.new_full((rows, 1), -1)], [root.new_zeros(rows, 1)], \
         [torch.zeros(rows, 1, device=device)]
     count = 1
@@ -92,8 +81,33 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
                              scores=child_scores.gather(1, best), ancestors=_gather_rows(anc, src))
         count += f * c
     num_nodes = torch.where(num_nodes < 0, count, num_nodes)
+    return _as_tree(tokens, parents, depths, scores, count, num_nodes)
+
+
+def _root_frontier(drafter, root, context, context_kv, past_valid, last_slot):
+    """Step 1's frontier (the root, its hidden input the last committed token's fused features,
+    zeros for a row with none) and the committed context as every run sees it: which slots are
+    visible (not the root's own, whose key comes fresh), its keys and values ``[R, heads, S, D]``."""
+    rows, device, h = root.shape[0], root.device, drafter.config.hidden_size
+    has_ctx = last_slot >= 0
+    if context.shape[1]:
+        last = _gather_rows(context, last_slot.clamp(min=0)[:, None])[:, 0, :h]
+    else:
+        last = context.new_zeros(rows, h)
+    slot = torch.arange(context.shape[1], device=device)
+    ctx_visible = past_valid & (slot[None] != last_slot[:, None])
+    ctx_k, ctx_v = context_kv[:, :, 0].transpose(1, 2), context_kv[:, :, 1].transpose(1, 2)
+    frontier = _Frontier(nodes=root.new_zeros(rows, 1), tokens=root[:, None],
+                         hidden=torch.where(has_ctx[:, None], last, 0)[:, None],
+                         scores=torch.zeros(rows, 1, device=device),
+                         ancestors=torch.zeros(rows, 1, 0, dtype=torch.bool, device=device))
+    return frontier, ctx_visible, ctx_k, ctx_v
+
+
+def _as_tree(tokens: list, parents: list, depths: list, scores: list, count: int, num_nodes: torch.Tensor) -> Tree:
+    """The drafted nodes' per-step pieces as one :class:`Tree`, nodes past ``num_nodes`` padding."""
     tokens, scores = torch.cat(tokens, 1)[:, :count], torch.cat(scores, 1)[:, :count]
-    live = torch.arange(count, device=device)[None] < num_nodes[:, None]
+    live = torch.arange(count, device=tokens.device)[None] < num_nodes[:, None]
     return Tree(tokens=torch.where(live, tokens, 0), parents=torch.where(live, torch.cat(parents, 1)[:, :count], -1)
                 .to(torch.int32), depths=torch.where(live, torch.cat(depths, 1)[:, :count], -1).to(torch.int32),
                 scores=torch.where(live, scores, float("-inf")), num_nodes=num_nodes.to(torch.int32))

@@ -54,7 +54,8 @@ def read_prompts(path: str | None) -> list[str]:
         return [line.rstrip("\n") for line in f if line.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``dartree-train`` (every :class:`TrainConfig` field is a flag)."""
     p = argparse.ArgumentParser(prog="dartree-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="tiny", help="'tiny' or a local HF model directory")
     p.add_argument("--prompts", default=None, help="prompts file (.txt one per line, or .jsonl with 'prompt'), or 'shipped' (the "
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-batch", type=int, default=8)
     p.add_argument("--no-chat", action="store_true")
     p.add_argument("--data-only", action="store_true", help="stop after generating the response cache")
-    p.add_argument("--target-dtype-train", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-features", action="store_true",
                    help="compute the target's hidden states once (features/ next to the data cache) instead "
                         "of at every step")
@@ -97,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             p.add_argument(flag, type=kind, default=f.default)
     p.set_defaults(decay_gamma=None)  # resolved below: the drafter's base schedule
+    return p
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    """The arguments, checked, and the new drafter's layer ids (``{}`` for its own choice)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.decay_gamma is None:
         args.decay_gamma = EAGLE3_DECAY_GAMMA if args.drafter == "eagle3" else TrainConfig.decay_gamma
@@ -112,12 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             layer_kw["target_layer_ids"] = tuple(int(v) for v in args.target_layers.split(","))
         except ValueError:
             p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    return args, layer_kw
 
-    rank, world, device = setup_distributed()
-    torch.manual_seed(args.seed)
-    loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=str(device))
-    target, tok = loaded.target, loaded.tokenizer
+
+def _responses(args, target, tok, rank: int, world: int) -> tuple[list[dict], str]:
+    """The response cache (rank 0 generates what is missing; the others read it) and its path."""
     texts = read_prompts(args.prompts)[:args.num_prompts]
     prompts = [(f"p{i}", encode_prompt(tok, t, chat=not args.no_chat)) for i, t in enumerate(texts)]
     data_path = args.data or os.path.join(args.out, "data.jsonl")
@@ -128,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.barrier()
     if rank != 0:
         records = generate_responses(target, prompts, data_path, progress=False)  # reads the cache
-    if args.data_only:
-        if rank == 0:
-            log.info("%d records in %s", len(records), data_path)
-        return 0
+    return records, data_path
+
+
+def _drafter(args, target, layer_kw: dict, device):
+    """The drafter to train: ``--init``'s, or a new one of ``--drafter``'s kind, in float32."""
     if args.init:
         kind = Eagle3Drafter if args.drafter == "eagle3" else BlockDrafter
         drafter = kind.from_pretrained(args.init, target, dtype=torch.float32)
@@ -143,22 +149,41 @@ def main(argv: list[str] | None = None) -> int:
         drafter = BlockDrafter.from_target(target, init_from_target=args.init_from_target, block_size=args.block_size,
                                            num_layers=args.drafter_layers, head_state_size=args.head_state,
                                            head_proj_size=args.head_proj, root_in_masks=args.root_in_masks, **layer_kw)
-    drafter = drafter.to(device=device, dtype=torch.float32).train()
+    return drafter.to(device=device, dtype=torch.float32).train()
+
+
+def _features(target, drafter, sampler: BlockSampler, data_path: str, rank: int, world: int):
+    """``--cache-features``: the target's features of every sequence, from ``features/`` next
+    to the data cache (shared by runs on the same data; rank 0 computes what is missing)."""
+    from .features import FeatureCache
+    feat_dir = os.path.join(os.path.dirname(os.path.abspath(data_path)), "features")
+    seqs, layers = [s for s, _ in sampler.seqs], drafter.config.target_layer_ids
+    if rank == 0:
+        FeatureCache.build(target, layers, seqs, feat_dir)
+    if world > 1:
+        torch.distributed.barrier()
+    return FeatureCache.build(target, layers, seqs, feat_dir, progress=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, layer_kw = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed)
+    loaded = load_target(args.target, dtype=getattr(torch, args.dtype), device=str(device))
+    target = loaded.target
+    records, data_path = _responses(args, target, loaded.tokenizer, rank, world)
+    if args.data_only:
+        if rank == 0:
+            log.info("%d records in %s", len(records), data_path)
+        return 0
+    drafter = _drafter(args, target, layer_kw, device)
     cfg = TrainConfig(out_dir=args.out, progress=True, **{f.name: getattr(args, f.name)
                                                          for f in dataclasses.fields(TrainConfig)
                                                          if f.name not in ("out_dir", "progress")})
     sampler = BlockSampler(records, drafter.config.block_size, cfg.batch_size, cfg.blocks_per_sequence,
                            cfg.max_length, cfg.seed)
-    features = None
-    if args.cache_features:
-        from .features import FeatureCache
-        feat_dir = os.path.join(os.path.dirname(os.path.abspath(data_path)), "features")  # shared by runs on this data
-        if rank == 0:
-            FeatureCache.build(target, drafter.config.target_layer_ids, [s for s, _ in sampler.seqs], feat_dir)
-        if world > 1:
-            torch.distributed.barrier()
-        features = FeatureCache.build(target, drafter.config.target_layer_ids, [s for s, _ in sampler.seqs], feat_dir,
-                                      progress=False)
+    features = _features(target, drafter, sampler, data_path, rank, world) if args.cache_features else None
     if rank == 0:
         log.info("%d sequences, %d steps per epoch; drafter %.2fM parameters; %d process(es)", len(sampler.seqs),
                  sampler.steps_per_epoch, drafter.num_parameters() / 1e6, world)
