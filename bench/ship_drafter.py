@@ -3,6 +3,9 @@ a draft vocabulary: the most frequent tokens of the target's responses in the tr
 
     python bench/ship_drafter.py runs/smollm2_vat/drafter dartree_ext/drafters/smollm2-135m-vat \\
         --responses runs/smollm2_vat/data.jsonl --draft-vocab 4096
+
+Without --responses the drafter's own draft_vocab.json is copied: the way to ship a drafter
+trained over its draft vocabulary (dartree-train --draft-vocab N).
 """
 from __future__ import annotations
 

@@ -369,11 +369,18 @@ def vat_block_weights(accept: torch.Tensor, valid: torch.Tensor, schedule: str =
 
 def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
              vh_logits, valid: torch.Tensor, *, rule: str = "greedy", temperature: float = 1.0,
-             schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0, generator=None):
+             schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0, generator=None,
+             draft_vocab=None):
     """The VAT loss with materialized softmaxes, autograd through PyTorch (same signature, same
-    uniforms from ``generator``, same outputs as :func:`dartree_ext.vat.vat_loss`)."""
+    uniforms from ``generator``, same outputs as :func:`dartree_ext.vat.vat_loss`). With
+    ``draft_vocab`` (target ids of the draft logits' columns) it is written from the definition:
+    ``q`` over those ids, ``p`` renormalized over them as the soft target, no hard term where the
+    label is not one of them, and acceptance judged against the target over its whole vocabulary."""
     from .vat import VATLossOutput, draw_uniforms
 
+    if draft_vocab is not None:
+        return _vat_loss_draft_vocab(draft_logits, target_logits, target_tokens, vh_logits, valid, rule, temperature,
+                                     schedule, decay_gamma, vh_weight, generator, draft_vocab)
     m, k, vocab = draft_logits.shape
     stat = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
     # invalid positions may hold anything (NaN included): zero them so they add no NaN gradient
@@ -412,5 +419,52 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         x = torch.where(valid, vh_logits.to(stat), zero)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(x, verified, reduction="none")
         vh_loss = torch.where(valid, bce, zero).sum() / valid.sum().clamp(min=1)
+    loss = ce_loss + vh_weight * vh_loss
+    return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)
+
+
+def _vat_loss_draft_vocab(draft_logits, target_logits, target_tokens, vh_logits, valid, rule, temperature,
+                          schedule, decay_gamma, vh_weight, generator, draft_vocab):
+    """:func:`vat_loss` over a draft vocabulary ``draft_vocab int64[V']``: ``draft_logits [M, K, V']``,
+    ``target_logits [M, K, V]``, ``target_tokens`` target ids."""
+    from .vat import VATLossOutput, draw_uniforms
+
+    m, k, sub = draft_logits.shape
+    ids = draft_vocab.to(draft_logits.device)
+    stat = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
+    keep = valid[..., None]
+    d = torch.where(keep, draft_logits.to(stat), 0.0)
+    t = torch.where(keep, target_logits.detach().to(stat), 0.0)
+    log_q = torch.log_softmax(d, -1)
+    p_sub = torch.softmax(t[..., ids], -1)                       # p on V', renormalized
+    ce_soft = -torch.where(p_sub > 0, p_sub * log_q, 0.0).sum(-1)
+    match = target_tokens[..., None] == ids                      # [M, K, V']: where the label sits in V'
+    has_label = match.any(-1)
+    picked = (log_q * match).sum(-1)
+    ce_hard = torch.where(has_label, -picked, torch.zeros_like(picked))
+    if rule == "greedy":
+        accept = ids[d.argmax(-1)] == t.argmax(-1)                # the drafted token is the target's argmax over V
+    else:
+        u = draw_uniforms(rule, m * k, draft_logits.device, generator).view(m, k, 2).double()
+        dq, tp = d.detach().double() / temperature, t.double() / temperature
+        q_t = torch.softmax(dq, -1)
+        p_t = torch.softmax(tp, -1)                              # over all of V
+        cdf = torch.cumsum(torch.exp(dq - dq.max(-1, keepdim=True).values), -1)
+        chosen = torch.searchsorted(cdf, u[..., 0:1] * cdf[..., -1:], right=True)[..., 0]
+        chosen = torch.where(chosen < sub, chosen, dq.argmax(-1))
+        q_x = q_t.gather(-1, chosen[..., None])[..., 0]
+        p_x = p_t.gather(-1, ids[chosen][..., None])[..., 0]
+        accept = u[..., 1] * q_x < p_x
+    accept = accept.to(torch.float32)
+    first_reject, weights = vat_block_weights(accept, valid, schedule, decay_gamma)
+    per_position = weights.to(stat) * (ce_hard if schedule == "dflash" else ce_soft + ce_hard)
+    ce_loss = torch.where(valid, per_position, 0.0).sum() / valid.any(1).sum().clamp(min=1)
+    if vh_logits is None:
+        vh_loss = torch.zeros((), dtype=stat, device=valid.device)
+    else:
+        verified = (torch.arange(1, k + 1, device=valid.device)[None, :] < first_reject[:, None]).to(stat)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.where(valid, vh_logits.to(stat), 0.0),
+                                                                   verified, reduction="none")
+        vh_loss = torch.where(valid, bce, 0.0).sum() / valid.sum().clamp(min=1)
     loss = ce_loss + vh_weight * vh_loss
     return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)

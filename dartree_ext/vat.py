@@ -25,6 +25,15 @@ Math (per block ``m`` of ``K`` draft positions, ``k = 1..K`` 1-based, only *vali
 * ``vh_loss = mean over valid positions of BCE-with-logits(vh_logits, v)`` (0 when ``vh_logits`` is None);
 * ``loss = ce_loss + vh_weight * vh_loss``.
 
+Draft vocabulary (``draft_vocab int64[V']``, FR-Spec / EAGLE-3's d2t: the target ids the drafter can
+propose): the draft logits are ``[M, K, V']``, the target's stay ``[M, K, V]`` and ``target_tokens``
+hold target ids. Then ``q`` lives on ``V'``; the soft target is ``p`` restricted to ``V'`` and
+renormalized; the hard label is ``y``'s draft index, and a position whose ``y`` is outside ``V'``
+has no hard term; acceptance is what verification would do: ``greedy``: the target's argmax over
+all of ``V`` is the token ``argmax q`` stands for (so a position whose target argmax is outside
+``V'`` is rejected); ``sample``: ``x ~ q_T`` over ``V'``, accepted iff ``u2 * q_T(x) < p_T(x)`` with
+``p_T`` normalized over all of ``V`` (the kernels see ``u2`` divided by ``p_T``'s mass on ``V'``).
+
 Labels (``k*``, ``v``, the weights, ``p``) carry no gradient; gradients flow to the draft logits (or the
 draft hidden states and head weight in :func:`vat_loss_linear`) and to ``vh_logits``. The target side is
 treated as a constant. ``d ce_loss / d draft_logits[m, k] = w_k (2 q_k - p_k - onehot(y_k)) / #blocks``.
@@ -210,17 +219,23 @@ def _check_block_inputs(op: str, m: int, k: int, device: torch.device, target_to
         raise ValueError(f"{op}: no positions (M = {m}, K = {k}); need at least one valid position")
 
 
-def _check_logits(op: str, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> None:
+def _check_logits(op: str, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                  draft_vocab: Optional[torch.Tensor] = None) -> None:
     for name, t in (("draft_logits", draft_logits), ("target_logits", target_logits)):
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{op}: {name} must be float32, bfloat16, float16 or float64, got "
                             f"{getattr(t, 'dtype', type(t))}")
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be [M, K, V], got shape {tuple(t.shape)}")
-    if target_logits.shape[-1] != draft_logits.shape[-1]:
+    if draft_vocab is not None:
+        if isinstance(draft_vocab, torch.Tensor) and draft_logits.shape[-1] != draft_vocab.numel():
+            raise ValueError(f"{op}: draft_logits has {draft_logits.shape[-1]} columns but draft_vocab has "
+                             f"{draft_vocab.numel()} ids")
+    elif target_logits.shape[-1] != draft_logits.shape[-1]:
         raise ValueError(f"{op}: target_logits has vocabulary size {target_logits.shape[-1]} but draft_logits has "
                          f"{draft_logits.shape[-1]} (last dim)")
-    if target_logits.shape != draft_logits.shape:
+    if target_logits.shape[:-1] != draft_logits.shape[:-1] or (draft_vocab is None
+                                                               and target_logits.shape != draft_logits.shape):
         raise ValueError(f"{op}: target_logits must have draft_logits' shape {tuple(draft_logits.shape)}, got "
                          f"{tuple(target_logits.shape)}")
     if target_logits.dtype != draft_logits.dtype:
@@ -243,6 +258,47 @@ def draw_uniforms(rule: str, rows: int, device: torch.device,
         return None
     where = generator.device if generator is not None else device
     return torch.rand(rows, 2, generator=generator, device=where, dtype=torch.float32).to(device)
+
+
+class _DraftVocab:
+    """A draft vocabulary ``ids int64[V']`` of a ``V``-token target, and the reduction of target
+    rows to it (see the module docstring)."""
+
+    def __init__(self, op: str, ids: torch.Tensor, vocab: int, device: torch.device) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"{op}: draft_vocab must be a non-empty 1-D int64 tensor of target ids, got "
+                             f"{getattr(ids, 'dtype', type(ids))}{list(getattr(ids, 'shape', []))}")
+        if ids.device != device:
+            raise ValueError(f"{op}: draft_vocab is on {ids.device} but the inputs are on {device}")
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"{op}: draft_vocab ids must be in [0, {vocab}) (the target's vocabulary)")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{op}: draft_vocab ids must be distinct")
+        self.ids, self.vocab = ids, vocab
+        self.index = torch.full((vocab,), -1, dtype=torch.int64, device=device)   # target id -> draft index
+        self.index[ids] = torch.arange(ids.numel(), device=device)
+
+    def reduce(self, target: torch.Tensor, tokens: torch.Tensor, uniforms: Optional[torch.Tensor],
+               temperature: float):
+        """Target rows ``[R, V]`` -> ``(target rows over V' [R, V'], tokens as draft indices,
+        has_label bool[R] (the token is in V', or out of any vocabulary: left to the checks),
+        top_in bool[R] (the target's argmax over V is in V'), uniforms with u2 scaled)."""
+        reduced = target.index_select(-1, self.ids).contiguous()
+        outside = (tokens < 0) | (tokens >= self.vocab)
+        index = self.index[tokens.clamp(0, self.vocab - 1)]
+        has_label = (index >= 0) | outside
+        draft_tokens = torch.where(outside, tokens, index.clamp(min=0)).contiguous()
+        top_in = self.ids[reduced.argmax(-1)] == target.argmax(-1)
+        if uniforms is not None:  # u2 / P_T(V'): acceptance against p_T normalized over all of V
+            stat = torch.float64 if target.dtype == torch.float64 else torch.float32
+            scaled = target.to(stat) / temperature
+            share = torch.exp(torch.logsumexp(scaled.index_select(-1, self.ids), -1) - torch.logsumexp(scaled, -1))
+            uniforms = torch.stack([uniforms[:, 0], (uniforms[:, 1] / share).to(uniforms.dtype)], 1)
+        return reduced, draft_tokens, has_label, top_in, uniforms
+
+
+def _draft_vocab(op: str, ids: Optional[torch.Tensor], vocab: int, device: torch.device) -> Optional[_DraftVocab]:
+    return None if ids is None else _DraftVocab(op, ids, vocab, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +364,8 @@ def _diagnose_rows(op: str, draft_rows_finite, target_rows_finite, target_tokens
 def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
              vh_logits: Optional[torch.Tensor], valid: torch.Tensor, *, rule: str = "greedy",
              temperature: float = 1.0, schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0,
-             generator: Optional[torch.Generator] = None, check_finite: bool = True) -> VATLossOutput:
+             generator: Optional[torch.Generator] = None, check_finite: bool = True,
+             draft_vocab: Optional[torch.Tensor] = None) -> VATLossOutput:
     """The VAT loss of a batch of draft blocks from materialized logits (see the module docstring).
 
     Args:
@@ -327,29 +384,37 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         check_finite: raise :class:`FloatingPointError` instead of returning a non-finite loss, and
             ``ValueError`` when no position is valid; synchronizes on CUDA. With False: no check, no
             synchronization (a NaN loss for bad input, 0 for a batch without a valid position).
+        draft_vocab: ``int64[V']``, distinct target ids: ``draft_logits`` is ``[M, K, V']`` over them
+            (the module docstring says what the loss is then); None: one vocabulary.
 
     Non-contiguous logits are copied. Memory beyond the inputs: O(M K) statistics, plus the
     gradient ``[M, K, V]`` in backward; no ``[M, K, V]`` intermediate is saved.
     """
     return _vat_loss(_RegisteredOps, draft_logits, target_logits, target_tokens, vh_logits, valid, rule=rule,
                      temperature=temperature, schedule=schedule, decay_gamma=decay_gamma, vh_weight=vh_weight,
-                     generator=generator, check_finite=check_finite)
+                     generator=generator, check_finite=check_finite, draft_vocab=draft_vocab)
 
 
 def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logits, valid, *, rule, temperature,
-              schedule, decay_gamma, vh_weight, generator, check_finite) -> VATLossOutput:
+              schedule, decay_gamma, vh_weight, generator, check_finite, draft_vocab=None) -> VATLossOutput:
     op = "vat_loss"
     _check_options(op, rule, temperature, schedule, decay_gamma, vh_weight)
-    _check_logits(op, draft_logits, target_logits)
-    m, k, vocab = draft_logits.shape
+    _check_logits(op, draft_logits, target_logits, draft_vocab)
+    m, k, vocab = target_logits.shape
     _check_block_inputs(op, m, k, draft_logits.device, target_tokens, vh_logits, valid)
+    reduce = _draft_vocab(op, draft_vocab, vocab, draft_logits.device)
     schedule_id = SCHEDULES.index(schedule)
     rows = m * k
     uniforms = draw_uniforms(rule, rows, draft_logits.device, generator)
     target = target_logits.detach().reshape(rows, vocab).contiguous()
     tokens = target_tokens.reshape(rows).contiguous()
+    if reduce is not None:
+        target, tokens, has_label, top_in, uniforms = reduce.reduce(target, tokens, uniforms, float(temperature))
     ce_soft, ce_hard, accept, _, _ = kernels.row_forward_differentiable(
-        draft_logits.reshape(rows, vocab).contiguous(), target, tokens, uniforms, float(temperature))
+        draft_logits.reshape(rows, draft_logits.shape[-1]).contiguous(), target, tokens, uniforms, float(temperature))
+    if reduce is not None:
+        ce_hard = torch.where(has_label, ce_hard, 0.0)  # no hard label outside the draft vocabulary
+        accept = accept * top_in if uniforms is None else accept
     stat = ce_hard.dtype
     valid = valid.contiguous()
     first_reject, weights = kernels.block_weights(accept.view(m, k), valid, schedule_id, float(decay_gamma))
@@ -387,7 +452,7 @@ class _LinearVATCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kernels, draft_hidden, draft_weight, target_hidden, target_weight, tokens, valid, uniforms,
-                temperature, schedule_id, decay_gamma, chunk_blocks):
+                temperature, schedule_id, decay_gamma, chunk_blocks, reduce):
         m, k, hd = draft_hidden.shape
         vocab = draft_weight.shape[0]
         rows = m * k
@@ -412,7 +477,12 @@ class _LinearVATCE(torch.autograd.Function):
             target_logits = h_target[r0:r1] @ w_target.t()
             tok = tokens[r0:r1]
             u = None if uniforms is None else uniforms[r0:r1]
+            if reduce is not None:
+                target_logits, tok, has_label, top_in, u = reduce.reduce(target_logits, tok, u, temperature)
             ce_soft, ce_hard, acc, lse_d, lse_t = kernels.row_forward(draft_logits, target_logits, tok, u, temperature)
+            if reduce is not None:
+                ce_hard = torch.where(has_label, ce_hard, 0.0)
+                acc = acc * top_in if u is None else acc
             ok = valid[b0:b1]
             fr, w = kernels.block_weights(acc.view(-1, k), ok, schedule_id, decay_gamma)
             first_reject[b0:b1], accept[b0:b1], weights[b0:b1] = fr, acc.view(-1, k), w
@@ -421,7 +491,8 @@ class _LinearVATCE(torch.autograd.Function):
                 continue
             coef = torch.where(ok, w.to(stat), 0.0).reshape(-1) / num_blocks
             g_soft = torch.zeros_like(coef) if schedule_id == _DFLASH else coef
-            grad_logits = kernels.row_backward((g_soft + coef).contiguous(), g_soft.contiguous(), coef.contiguous(),
+            g_hard = coef if reduce is None else torch.where(has_label, coef, 0.0)
+            grad_logits = kernels.row_backward((g_soft + g_hard).contiguous(), g_soft.contiguous(), g_hard.contiguous(),
                                                draft_logits, target_logits, tok, lse_d, lse_t)
             del draft_logits, target_logits
             if need_hidden:
@@ -441,14 +512,15 @@ class _LinearVATCE(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         grad_h = None if grad_hidden is None else grad_hidden * grad_ce.to(grad_hidden.dtype)
         grad_w = None if grad_weight is None else (grad_weight * grad_ce.to(grad_weight.dtype)).to(ctx.weight_dtype)
-        return None, grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return None, grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def vat_loss_linear(draft_hidden: torch.Tensor, draft_weight: torch.Tensor, target_hidden: torch.Tensor,
                     target_weight: torch.Tensor, target_tokens: torch.Tensor, vh_logits: Optional[torch.Tensor],
                     valid: torch.Tensor, *, rule: str = "greedy", temperature: float = 1.0, schedule: str = "vat",
                     decay_gamma: float = 7.0, vh_weight: float = 1.0, generator: Optional[torch.Generator] = None,
-                    chunk_size: Optional[int] = None, check_finite: bool = True) -> VATLossOutput:
+                    chunk_size: Optional[int] = None, check_finite: bool = True,
+                    draft_vocab: Optional[torch.Tensor] = None) -> VATLossOutput:
     """:func:`vat_loss` of ``draft_logits = draft_hidden @ draft_weight.T`` and ``target_logits =
     target_hidden @ target_weight.T`` without materializing them.
 
@@ -457,6 +529,8 @@ def vat_loss_linear(draft_hidden: torch.Tensor, draft_weight: torch.Tensor, targ
         target_hidden: ``[M, K, Ht]``; target_weight: ``[V, Ht]`` (no gradient); all four of one dtype.
         chunk_size: positions per chunk, rounded down to whole blocks (at least one block); None
             picks :func:`default_chunk_blocks`.
+        draft_vocab: ``int64[V']`` as in :func:`vat_loss`; ``draft_weight`` is then ``[V', Hd]``
+            (the rows of those ids) and ``target_weight`` stays ``[V, Ht]``.
 
     Chunks of whole blocks are processed in turn: the chunk's logits (two matmuls), the fused row
     kernels, the block weights, the gradient of the chunk's logits, and from it the gradients of the
@@ -471,10 +545,10 @@ def vat_loss_linear(draft_hidden: torch.Tensor, draft_weight: torch.Tensor, targ
     return _vat_loss_linear(_RegisteredOps, draft_hidden, draft_weight, target_hidden, target_weight, target_tokens,
                             vh_logits, valid, rule=rule, temperature=temperature, schedule=schedule,
                             decay_gamma=decay_gamma, vh_weight=vh_weight, generator=generator, chunk_size=chunk_size,
-                            check_finite=check_finite)
+                            check_finite=check_finite, draft_vocab=draft_vocab)
 
 
-def _check_linear(op: str, draft_hidden, draft_weight, target_hidden, target_weight) -> None:
+def _check_linear(op: str, draft_hidden, draft_weight, target_hidden, target_weight, draft_vocab=None) -> None:
     tensors = (("draft_hidden", draft_hidden, 3), ("draft_weight", draft_weight, 2),
                ("target_hidden", target_hidden, 3), ("target_weight", target_weight, 2))
     for name, t, dim in tensors:
@@ -497,7 +571,11 @@ def _check_linear(op: str, draft_hidden, draft_weight, target_hidden, target_wei
     if target_weight.shape[1] != target_hidden.shape[2]:
         raise ValueError(f"{op}: target_weight must be [V, Ht] with Ht = {target_hidden.shape[2]}, got "
                          f"{tuple(target_weight.shape)}")
-    if target_weight.shape[0] != draft_weight.shape[0]:
+    if draft_vocab is not None:
+        if isinstance(draft_vocab, torch.Tensor) and draft_weight.shape[0] != draft_vocab.numel():
+            raise ValueError(f"{op}: draft_weight has {draft_weight.shape[0]} rows but draft_vocab has "
+                             f"{draft_vocab.numel()} ids")
+    elif target_weight.shape[0] != draft_weight.shape[0]:
         raise ValueError(f"{op}: target_weight has vocabulary size {target_weight.shape[0]} but draft_weight has "
                          f"{draft_weight.shape[0]} (dim 0)")
     if draft_weight.shape[0] == 0:
@@ -506,13 +584,14 @@ def _check_linear(op: str, draft_hidden, draft_weight, target_hidden, target_wei
 
 def _vat_loss_linear(kernels: Any, draft_hidden, draft_weight, target_hidden, target_weight, target_tokens, vh_logits,
                      valid, *, rule, temperature, schedule, decay_gamma, vh_weight, generator, chunk_size,
-                     check_finite) -> VATLossOutput:
+                     check_finite, draft_vocab=None) -> VATLossOutput:
     op = "vat_loss_linear"
     _check_options(op, rule, temperature, schedule, decay_gamma, vh_weight)
-    _check_linear(op, draft_hidden, draft_weight, target_hidden, target_weight)
+    _check_linear(op, draft_hidden, draft_weight, target_hidden, target_weight, draft_vocab)
     m, k, hd = draft_hidden.shape
-    vocab = draft_weight.shape[0]
+    vocab = target_weight.shape[0]
     _check_block_inputs(op, m, k, draft_hidden.device, target_tokens, vh_logits, valid)
+    reduce = _draft_vocab(op, draft_vocab, vocab, draft_hidden.device)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
     chunk_blocks = (default_chunk_blocks(m, k, vocab, hd) if chunk_size is None
@@ -523,7 +602,7 @@ def _vat_loss_linear(kernels: Any, draft_hidden, draft_weight, target_hidden, ta
     ce_loss, first_reject, accept, weights = _LinearVATCE.apply(
         kernels, draft_hidden.contiguous(), draft_weight.contiguous(), target_hidden.contiguous(),
         target_weight.contiguous(), target_tokens.reshape(m * k).contiguous(), valid, uniforms, float(temperature),
-        schedule_id, float(decay_gamma), chunk_blocks)
+        schedule_id, float(decay_gamma), chunk_blocks, reduce)
     vh_loss = _vh_loss(vh_logits, first_reject, valid, ce_loss.dtype)
 
     def diagnose() -> str:

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from dartree_ext.training import (BlockSampler, TrainConfig, Trainer, generate_responses, lr_at,  # noqa: E402
                                   read_records, setup_distributed)
 
+from dartree_ext.models import BlockDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
 
 
@@ -97,20 +98,59 @@ def test_training_resumes_exactly(tmp_path):
     assert os.path.exists(tmp_path / "a" / "drafter" / "model.safetensors")
 
 
-def test_training_learns_the_targets_responses(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+def test_training_learns_the_targets_responses(tmp_path, draft_vocab):
     """On the target's own greedy responses (what the drafter is for), training with the fixed
-    DFlash weights lowers the loss and raises the simulated acceptance."""
+    DFlash weights lowers the loss and raises the simulated acceptance, over the whole vocabulary
+    and over a draft vocabulary."""
     target = tiny_target()
     prompts = [(f"p{i}", torch.randint(1, 97, (5,), generator=torch.Generator().manual_seed(i)).tolist())
                for i in range(8)]
     records = generate_responses(target, prompts, str(tmp_path / "data.jsonl"), max_new_tokens=24, progress=False)
     trainer = make_trainer(tmp_path, steps=60, lr=3e-3, warmup_steps=1, checkpoint_every=100, records=records,
-                           loss="dflash")
+                           loss="dflash", draft_vocab=draft_vocab)
     history = trainer.train()
     first, last = history[:4], history[-8:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     assert mean(last, "loss") < 0.85 * mean(first, "loss")
     assert mean(last, "accept_rate") > mean(first, "accept_rate") + 0.1
+
+
+def test_training_over_a_draft_vocabulary(tmp_path):
+    """draft_vocab = N: the drafter trains over the N most frequent response tokens: its logits are
+    the full logits' columns of those ids, the correction head's rows outside them get no gradient,
+    the loss is the draft-vocabulary VAT loss, and the vocabulary is saved with the drafter."""
+    from dartree_ext.models import frequent_tokens
+    trainer = make_trainer(tmp_path, steps=2, draft_vocab=40)
+    d = trainer.drafter
+    ids = d.draft_vocab
+    assert ids.tolist() == frequent_tokens([seq[first + 1:] for seq, first in trainer.sampler.seqs], 40)
+    assert d.train_over_draft_vocab and d.training
+    out = trainer.compute_loss(0)
+    assert out["base"].accept.shape == out["valid"].shape and math.isfinite(float(out["loss"].detach()))
+    out["loss"].backward()
+    grad = d.correction_head.fc2.weight.grad
+    outside = torch.ones(grad.shape[0], dtype=torch.bool)
+    outside[ids] = False
+    assert float(grad[outside].abs().max()) == 0.0 and float(grad[ids].abs().max()) > 0
+    # the training pass's logits are the whole-vocabulary logits' columns of the draft vocabulary
+    root, ctx = torch.tensor([5]), torch.randn(1, 6, d.config.hidden_size)
+    args = (root, torch.tensor([6]), ctx, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+    reduced = d(*args)
+    d.train_over_draft_vocab = False
+    full = d(*args)
+    d.train_over_draft_vocab = True
+    assert reduced.base_logits.shape[-1] == 40 and full.base_logits.shape[-1] == d.config.vocab_size
+    torch.testing.assert_close(reduced.base_logits, full.base_logits[..., ids])
+    trainer.train()
+    saved = BlockDrafter.from_pretrained(str(tmp_path / "drafter"), trainer.target)
+    assert torch.equal(saved.draft_vocab, ids)
+    with pytest.raises(ValueError, match="more than the target"):
+        make_trainer(tmp_path / "big", draft_vocab=100000)
+    from dartree_ext.models import Eagle3Drafter
+    from dartree_ext.training.trainer import use_training_draft_vocab
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        use_training_draft_vocab(Eagle3Drafter.from_target(trainer.target, num_steps=3), trainer.sampler, 8)
 
 
 def test_all_schedules_train(tmp_path):

@@ -339,6 +339,122 @@ def test_linear_equals_materialized(backend, chunk_size, rule, schedule):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
 
 
+def _draft_vocab_inputs(m, k, vocab, sub, seed, dtype=torch.float64):
+    """Full-vocabulary target logits, draft logits over ``sub`` of the ``vocab`` ids (unsorted), labels
+    of which about a third fall outside them, and target argmaxes in and out of them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=gen)[:sub]
+    target = 2.0 * torch.randn(m, k, vocab, generator=gen, dtype=torch.float64)
+    target[0, :, ids[3]] += 20.0                                   # block 0: the argmax is in V'
+    draft = target[..., ids] + 0.5 * torch.randn(m, k, sub, generator=gen, dtype=torch.float64)
+    inside = ids[torch.randint(0, sub, (m, k), generator=gen)]
+    outside = torch.randint(0, vocab, (m, k), generator=gen)
+    tokens = torch.where(torch.rand(m, k, generator=gen) < 0.6, inside, outside)
+    valid = torch.ones(m, k, dtype=torch.bool)
+    valid[-1, k - 1] = False
+    vh = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    return draft.to(dtype), target.to(dtype), tokens, vh.to(dtype), valid, ids
+
+
+@pytest.mark.parametrize("rule, schedule", [("greedy", "vat"), ("sample", "vat"), ("greedy", "dflash"),
+                                            ("sample", "hard_cutoff")])
+def test_draft_vocab_matches_reference(backend, rule, schedule):
+    """Over a draft vocabulary (V' = 40 of 300 ids): values, acceptance and gradients equal the
+    reference written from the definition; labels outside V' add no hard term; a target argmax
+    outside V' rejects under the greedy rule."""
+    draft, target, tokens, vh, valid, ids = _draft_vocab_inputs(6, 5, 300, 40, seed=11)
+    results = []
+    for fn, dev in ((api(backend).vat_loss, backend.device), (reference.vat_loss, torch.device("cpu"))):
+        d = draft.detach().to(dev).clone().requires_grad_(True)
+        h = vh.detach().to(dev).clone().requires_grad_(True)
+        out = fn(d, target.to(dev), tokens.to(dev), h, valid.to(dev), rule=rule, schedule=schedule,
+                 temperature=0.8, generator=torch.Generator().manual_seed(5), draft_vocab=ids.to(dev))
+        out.loss.backward()
+        results.append((out, d.grad, h.grad))
+    (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = results
+    assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
+    assert torch.equal(ours.accept.cpu(), ref.accept)
+    for name in ("loss", "ce_loss", "vh_loss"):
+        torch.testing.assert_close(getattr(ours, name).cpu(), getattr(ref, name), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(g_ours.cpu(), g_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gh_ours.cpu(), gh_ref, rtol=1e-9, atol=1e-12)
+    assert 0 < float(ref.accept[valid].mean()) < 1
+    if rule == "greedy":   # rejected wherever the target's argmax is not a draft token
+        top_in = (target.argmax(-1)[..., None] == ids).any(-1)
+        assert bool((ref.accept[valid & ~top_in] == 0).all()) and bool((~top_in & valid).any())
+    # the reduced loss is not the one-vocabulary loss of the gathered logits
+    plain = reference.vat_loss(draft, target[..., ids], torch.zeros_like(tokens), vh, valid, rule=rule,
+                               schedule=schedule, temperature=0.8, generator=torch.Generator().manual_seed(5))
+    assert not torch.allclose(plain.loss, ref.loss)
+
+
+def test_draft_vocab_hand_built():
+    """One block of 3 positions, V = 6, V' = {4, 1}: position 1 accepted (argmax 4 drafted), position 2
+    rejected (the target's argmax 5 is not a draft token), its label 5 adds no hard term."""
+    ids = torch.tensor([4, 1])
+    target = torch.full((1, 3, 6), -5.0, dtype=torch.float64)
+    target[0, 0, 4], target[0, 1, 5], target[0, 1, 1], target[0, 2, 1] = 3.0, 4.0, 2.0, 3.0
+    draft = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [0.0, 2.0]]], dtype=torch.float64, requires_grad=True)
+    tokens = torch.tensor([[4, 5, 1]])
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    out = vat.vat_loss(draft, target, tokens, None, valid, schedule="prefix_only", draft_vocab=ids)
+    assert out.accept.tolist() == [[1.0, 0.0, 1.0]] and out.first_reject.tolist() == [2]
+    log_q = torch.log_softmax(draft.detach()[0, 0], -1)
+    p = torch.softmax(target[0, 0, ids], -1)
+    expected = -(p * log_q).sum() - log_q[0]                       # position 1 only (prefix_only)
+    torch.testing.assert_close(out.ce_loss, expected)
+    out.loss.backward()
+    assert float(draft.grad[0, 1:].abs().max()) == 0.0
+
+
+def test_draft_vocab_sample_rule_accepts_against_the_whole_vocabulary():
+    """The sampling rule over V' accepts at the rate sum over V' of min(p, q), p normalized over
+    all of V (not the higher rate the renormalized p would give)."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, ids = 12, torch.tensor([0, 3, 5, 7])
+    target = torch.randn(1, 1, vocab, generator=gen, dtype=torch.float64).expand(20000, 1, vocab).contiguous()
+    draft = torch.randn(1, 1, 4, generator=gen, dtype=torch.float64).expand(20000, 1, 4).contiguous()
+    out = vat.vat_loss(draft, target, torch.zeros(20000, 1, dtype=torch.int64), None,
+                       torch.ones(20000, 1, dtype=torch.bool), rule="sample",
+                       generator=torch.Generator().manual_seed(0), draft_vocab=ids)
+    p, q = torch.softmax(target[0, 0], -1)[ids], torch.softmax(draft[0, 0], -1)
+    exact = float(torch.minimum(p, q).sum())
+    renormalized = float(torch.minimum(p / p.sum(), q).sum())
+    rate = float(out.accept.mean())
+    assert abs(rate - exact) < 0.015 and renormalized - exact > 0.1
+
+
+def test_draft_vocab_linear_equals_materialized(backend):
+    h_d, _, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(5, 4, 150, 12, 10, torch.float64, seed=6))
+    ids, w_d = backend.put(torch.randperm(150, generator=torch.Generator().manual_seed(1))[:30],
+                           torch.randn(30, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    tokens = torch.where(torch.arange(tokens.numel(), device=tokens.device).view_as(tokens) % 2 == 0,
+                         ids[tokens % 30], tokens)             # half the labels in V'
+    for rule in ("greedy", "sample"):
+        leaves = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
+        out = api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, leaves[2], valid, rule=rule,
+                                           generator=torch.Generator().manual_seed(3), chunk_size=4, draft_vocab=ids)
+        out.loss.backward()
+        mats = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
+        expected = api(backend).vat_loss(mats[0] @ mats[1].t(), h_t @ w_t.t(), tokens, mats[2], valid, rule=rule,
+                                         generator=torch.Generator().manual_seed(3), draft_vocab=ids)
+        expected.loss.backward()
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-10, atol=1e-12)
+        assert torch.equal(out.accept, expected.accept)
+        for ours, ref in zip(leaves, mats):
+            torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_draft_vocab_bad_input():
+    draft, target, tokens, vh, valid, ids = _draft_vocab_inputs(2, 3, 50, 10, seed=1)
+    for bad, match in ((ids[:9], "columns"), (ids.clone().fill_(3), "distinct"), (ids + 100, r"\[0, 50\)"),
+                       (ids.int(), "int64")):
+        with pytest.raises(ValueError, match=match):
+            vat.vat_loss(draft, target, tokens, vh, valid, draft_vocab=bad)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        vat.vat_loss(draft, target, tokens, vh, valid)          # V' logits without the map
+
+
 def test_linear_gradients_only_where_needed(backend):
     h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(3, 4, 60, 8, 8, torch.float64, seed=8))
     full = api(backend).vat_loss_linear(h_d, w_d, h_t, w_t, tokens, vh, valid, chunk_size=4)

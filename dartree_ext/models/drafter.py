@@ -225,10 +225,11 @@ class CorrectionHead(nn.Module):
         self.fc2 = nn.Linear(cfg.head_proj_size, cfg.vocab_size)
 
     def forward(self, drafter_hidden: torch.Tensor, base_logits: torch.Tensor, tokens: torch.Tensor,
-                embedding: nn.Module) -> torch.Tensor:
+                embedding: nn.Module, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced corrected logits ``[B, T, V]`` for drafter hidden states ``[B, T, H]``
         and base logits ``[B, T, V]``, where ``tokens int64[B, T]`` holds the token at each
-        position (position d is corrected with the state after tokens ``< d``)."""
+        position (position d is corrected with the state after tokens ``< d``). With ``vocab``
+        (a draft vocabulary, ``int64[V']``) the base logits and the result are over those ids."""
         batch, steps = tokens.shape
         state = drafter_hidden.new_zeros(batch, self.cfg.head_state_size)
         emb = embedding(tokens).to(drafter_hidden.dtype)
@@ -238,7 +239,11 @@ class CorrectionHead(nn.Module):
             if d + 1 < steps:
                 state = self.gru(emb[:, d], state)
         s = torch.stack(states, 1)
-        return base_logits + self.fc2(F.silu(self.w_z(drafter_hidden) + self.w_s(s)))
+        z = F.silu(self.w_z(drafter_hidden) + self.w_s(s))
+        if vocab is None:
+            return base_logits + self.fc2(z)
+        vocab = vocab.to(z.device)
+        return base_logits + F.linear(z, self.fc2.weight[vocab], self.fc2.bias[vocab])
 
     def export(self, embedding: nn.Embedding, dtype: torch.dtype | None = None) -> CorrectionHeadWeights:
         """The tensors the tree ops read (the GRU input gates precomputed for the vocabulary)."""
@@ -419,6 +424,9 @@ class BlockDrafter(TargetAttached, nn.Module):
         self.verification_head = VerificationHead(cfg)
         self._target_modules: tuple[nn.Module, nn.Module] | None = None
         self.draft_vocab: torch.Tensor | None = None
+        # training: logits over the draft vocabulary too (dartree-train --draft-vocab); else the
+        # draft vocabulary applies at inference only and training sees the whole vocabulary
+        self.train_over_draft_vocab = False
         self._draft_head: tuple | None = None
         self.calibration: dict[str, dict] = {}  # saved acceptance counts (budget="auto" starts from them)
         if target is not None:
@@ -569,7 +577,7 @@ class BlockDrafter(TargetAttached, nn.Module):
                       queries=None if positions is None or i < last else positions + 1)
         hidden = self.norm(x[:, 1:])
         head_w = self.lm_head.weight
-        if self.draft_vocab is not None and not self.training:
+        if self.draft_vocab is not None and (self.train_over_draft_vocab or not self.training):
             sub = self._draft_head_weight()
             logits = linear_as(self.context_proj, hidden.to(sub.dtype), sub)  # as the drafter's layers run
             bias = getattr(self.lm_head, "bias", None)

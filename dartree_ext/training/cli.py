@@ -106,8 +106,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     args = p.parse_args(argv)
     if args.decay_gamma is None:
         args.decay_gamma = EAGLE3_DECAY_GAMMA if args.drafter == "eagle3" else TrainConfig.decay_gamma
-    if args.drafter == "eagle3" and (args.init_from_target or args.root_in_masks):
-        p.error("--init-from-target and --root-in-masks are block-drafter options")
+    if args.drafter == "eagle3" and (args.init_from_target or args.root_in_masks or args.draft_vocab):
+        p.error("--init-from-target, --root-in-masks and --draft-vocab are block-drafter options")
     if args.drafter == "block" and args.loss == "eagle3":
         p.error("--loss eagle3 trains an EAGLE-3 drafter: add --drafter eagle3")
     layer_kw = {}

@@ -47,6 +47,7 @@ class TrainConfig:
     decay_gamma: float = 7.0
     vh_weight: float = 1.0
     head_weight: float = 1.0
+    draft_vocab: int = 0                # > 0: train over the N most frequent response tokens (saved with the drafter)
     bf16: bool = False
     checkpoint_every: int = 50
     log_every: int = 10
@@ -136,6 +137,7 @@ class DrafterObjective(nn.Module):
     def forward(self, batch: BlockBatch, tb: TargetBatch, generator: torch.Generator | None = None) -> dict:
         from ..vat import vat_loss
         d, cfg = self.drafter, self.cfg
+        ids = d.draft_vocab if d.train_over_draft_vocab else None
         device = tb.features.device
         context = d.project_context(tb.features)                    # [S, T, H]
         block_seq = batch.block_seq.to(device)
@@ -148,18 +150,38 @@ class DrafterObjective(nn.Module):
         vh = d.verification_head(draft.hidden)
         labels = torch.where(tb.valid, tb.labels, 0)
         target_logits = tb.logits.to(draft.base_logits.dtype)
-        opts = dict(rule=cfg.rule, schedule=cfg.loss, decay_gamma=cfg.decay_gamma, generator=generator)
+        opts = dict(rule=cfg.rule, schedule=cfg.loss, decay_gamma=cfg.decay_gamma, generator=generator,
+                    draft_vocab=None if ids is None else ids.to(device))
         base = vat_loss(draft.base_logits, target_logits, labels, vh, tb.valid, vh_weight=cfg.vh_weight, **opts)
         block_scale, position_scale = global_scales(tb.valid)
         loss = base.ce_loss * block_scale + cfg.vh_weight * base.vh_loss * position_scale
         out = {"base": base, "valid": tb.valid}
         if cfg.head_weight > 0:
-            corrected = d.correction_head(draft.hidden, draft.base_logits, labels, d.embedding)
+            corrected = d.correction_head(draft.hidden, draft.base_logits, labels, d.embedding, vocab=ids)
             head = vat_loss(corrected, target_logits, labels, None, tb.valid, vh_weight=0.0, **opts)
             loss = loss + cfg.head_weight * head.ce_loss * block_scale
             out["head"] = head
         out["loss"] = loss
         return out
+
+
+def use_training_draft_vocab(drafter: nn.Module, sampler: BlockSampler, size: int) -> None:
+    """``size > 0``: the drafter drafts over (and trains over) the ``size`` most frequent tokens of
+    the training responses (FR-Spec / EAGLE-3's d2t), unless it already has a draft vocabulary of
+    that size (a continued run keeps its own). It is saved with the drafter (``draft_vocab.json``)."""
+    from ..models import frequent_tokens
+    from ..models.eagle3 import Eagle3Drafter
+    if size <= 0:
+        return
+    if isinstance(drafter, Eagle3Drafter):
+        raise ValueError("draft_vocab > 0 trains a block drafter over a draft vocabulary; EAGLE-3 drafters train "
+                         "over the whole vocabulary")
+    if size > drafter.config.vocab_size:
+        raise ValueError(f"draft_vocab is {size}, more than the target's {drafter.config.vocab_size} tokens")
+    if drafter.draft_vocab is None or drafter.draft_vocab.numel() != size:
+        drafter.set_draft_vocab(frequent_tokens([seq[first + 1:] for seq, first in sampler.seqs], size))
+        log.info("draft vocabulary: the %d most frequent response tokens", drafter.draft_vocab.numel())
+    drafter.train_over_draft_vocab = True
 
 
 def make_objective(drafter: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -199,6 +221,7 @@ class Trainer:
         self.target, self.drafter, self.sampler, self.cfg = target.eval(), drafter, sampler, cfg
         self.rank, self.world = rank, world
         self.features = features  # a FeatureCache aligned with sampler.seqs, or None (target runs each step)
+        use_training_draft_vocab(drafter, sampler, cfg.draft_vocab)
         self.objective = make_objective(drafter, cfg)
         self.module: nn.Module = self.objective
         if world > 1:
