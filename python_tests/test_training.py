@@ -224,6 +224,28 @@ def test_cached_features_match_the_target(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.final, cache.final))
 
 
+def test_feature_cache_keeps_shards_when_data_is_appended(tmp_path, monkeypatch):
+    """Windows of 2 batches of 2 sequences: a cache of 8 sequences, then of 11 (3 appended),
+    recomputes only the shards of the window the new sequences fall in."""
+    from dartree_ext.training import features as F
+    trainer = make_trainer(tmp_path)
+    seqs = [s for s, _ in trainer.sampler.seqs]
+    more = seqs + [s[:-1] for s in seqs[:3]]
+    monkeypatch.setattr(F, "WINDOW", 2)
+    computed = []
+    real = F._shard
+    monkeypatch.setattr(F, "_shard", lambda base, ids, chunk, device: computed.append(len(chunk)) or
+                        real(base, ids, chunk, device))
+    layers = trainer.drafter.config.target_layer_ids
+    first = F.FeatureCache.build(trainer.target, layers, seqs, str(tmp_path / "f"), batch_size=2, progress=False)
+    assert computed == [2, 2, 2, 2]
+    computed.clear()
+    grown = F.FeatureCache.build(trainer.target, layers, more, str(tmp_path / "f"), batch_size=2, progress=False)
+    assert computed == [2, 1]                                          # the new window only
+    assert all(torch.equal(a, b) for a, b in zip(first.features, grown.features[:len(seqs)]))
+    assert [f.shape[0] for f in grown.features] == [len(s) for s in more]
+
+
 def test_bf16_autocast_with_cached_features(tmp_path):
     """``--bf16 --cache-features`` on the CPU: the float16 cache feeds a bf16-autocast step (a
     float16 stack under CPU autocast used to raise)."""

@@ -4,7 +4,8 @@ is most of a step's cost. Per sequence: the drafter's context features (the chos
 concatenated) and the target's final (normalised) hidden state, from which the target's logits
 at any position are one LM-head product. Stored as float16 shards of ``batch_size`` sequences in
 a directory (resumable: finished shards are kept; a shard is written atomically). Sequences are
-batched by length, so little of a forward is padding.
+batched by length, so little of a forward is padding, within windows in the data's order, so new
+data appended to old keeps the old shards.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import os
 import torch
 
 log = logging.getLogger(__name__)
+
+WINDOW = 64  # batches per length-sorted window (see FeatureCache.build)
 
 
 class FeatureCache:
@@ -29,12 +32,16 @@ class FeatureCache:
     def build(cls, target, layer_ids: tuple[int, ...], seqs: list[list[int]], path: str, batch_size: int = 8,
               progress: bool = True) -> "FeatureCache":
         """Compute (or read back) the features of ``seqs``, in their order. The target runs on
-        ``batch_size`` sequences of similar length at a time (longest first), so a batch pads to
-        little more than its own length; shard ``k`` holds the ``k``-th such batch."""
+        ``batch_size`` sequences of similar length at a time (longest first within each window of
+        ``WINDOW`` batches' worth of sequences, in order), so a batch pads to little more than its
+        own length; shard ``k`` holds the ``k``-th such batch. Sequences appended to ``seqs`` leave
+        the shards of every earlier full window valid."""
         os.makedirs(path, exist_ok=True)
         device = next(target.parameters()).device
         base = getattr(target, target.base_model_prefix)
-        order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
+        span = WINDOW * batch_size
+        order = [i for w in range(0, len(seqs), span)
+                 for i in sorted(range(w, min(w + span, len(seqs))), key=lambda i: (-len(seqs[i]), i))]
         features: list = [None] * len(seqs)
         final: list = [None] * len(seqs)
         bar = None
