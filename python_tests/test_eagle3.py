@@ -539,6 +539,7 @@ def test_train_cli_target_layers_share_the_feature_cache(tmp_path):
     target = load_target("tiny").target
     assert BlockDrafter.from_pretrained(tmp_path / "block" / "drafter", target).config.target_layer_ids == (0, 1, 2)
     assert Eagle3Drafter.from_pretrained(tmp_path / "eagle" / "drafter", target).config.target_layer_ids == (0, 1, 2)
-    for bad in (["--target-layers", "0,x"], ["--target-layers", "0,1,2", "--init", str(tmp_path / "block" / "drafter")]):
+    for bad in (["--target-layers", "0,x"], ["--target-layers", "0,1,2", "--init", str(tmp_path / "block" / "drafter")],
+                ["--drafter", "eagle3", "--draft-vocab", "8"], ["--loss", "vta"], ["--rule", "greedy-ish"]):
         with pytest.raises(SystemExit):
             main(common[:-2] + ["--out", str(tmp_path / "bad")] + bad)

@@ -17,6 +17,7 @@ import torch
 from ..loading import encode_prompt, load_target, stop_tokens
 from ..models import BlockDrafter, Eagle3Drafter
 from ..models.eagle3 import EAGLE3_DECAY_GAMMA
+from ..vat import RULES, SCHEDULES
 from .data import BlockSampler, generate_responses
 from .trainer import TrainConfig, Trainer, setup_distributed
 
@@ -52,6 +53,29 @@ def read_prompts(path: str | None) -> list[str]:
         if path.endswith(".jsonl"):
             return [json.loads(line)["prompt"] for line in f if line.strip()]
         return [line.rstrip("\n") for line in f if line.strip()]
+
+
+TRAIN_FLAG_HELP = {
+    "steps": "optimizer steps in all (a rerun with more continues)",
+    "batch_size": "sequences per global step",
+    "blocks_per_sequence": "draft blocks (random anchors) per sequence",
+    "max_length": "tokens kept per sequence (prompt + response)",
+    "lr": "peak learning rate (linear warm-up, then cosine decay)",
+    "weight_decay": "AdamW weight decay (matrices only)",
+    "warmup_steps": "linear warm-up steps",
+    "min_lr_ratio": "the cosine decay's floor as a fraction of --lr",
+    "grad_clip": "gradient-norm clip",
+    "loss": "vat, a baseline schedule, or eagle3 (EAGLE-3's loss, EAGLE-3 drafters)",
+    "rule": "the simulated verification's acceptance rule",
+    "decay_gamma": "the VAT decay after the first rejection (block drafters 7, EAGLE-3 drafters 1 / ln 1.25)",
+    "vh_weight": "weight of the verification head's loss",
+    "head_weight": "weight of the correction head's VAT loss (0: the head does not train)",
+    "draft_vocab": "> 0: train (and draft) over the N most frequent response tokens; saved with the drafter",
+    "bf16": "bf16 autocast on the CPU (always on a GPU)",
+    "checkpoint_every": "steps between checkpoints (OUT/checkpoint.pt, OUT/drafter/)",
+    "log_every": "steps between lines of OUT/train_log.jsonl",
+    "seed": "the seed of the data order, anchors and a new drafter's weights",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,11 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ("out_dir", "progress"):
             continue
         flag = "--" + f.name.replace("_", "-")
+        text = TRAIN_FLAG_HELP.get(f.name)
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", default=f.default)
+            p.add_argument(flag, action="store_true", default=f.default, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, type=kind, default=f.default)
+            choices = {"loss": [*SCHEDULES, "eagle3"], "rule": list(RULES)}.get(f.name)
+            shown = "" if f.name == "decay_gamma" else f" (default {f.default})"
+            p.add_argument(flag, type=kind, default=f.default, choices=choices,
+                           help=None if text is None else text + shown)
     p.set_defaults(decay_gamma=None)  # resolved below: the drafter's base schedule
     return p
 
