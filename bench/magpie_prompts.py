@@ -12,6 +12,12 @@ de-duplicated after normalisation. Appends to ``--out`` batch by batch, so a kil
         --source magpie-code --system "You are a Python programming assistant. Users ask you to write Python functions."
     python bench/magpie_prompts.py --num 1500 --out dartree_ext/data/magpie_math_smollm2.jsonl --seed 2 \
         --source magpie-math --system "You are a math tutor. Users ask you grade-school math word problems."
+    python bench/magpie_prompts.py --num 1500 --out dartree_ext/data/magpie_writing_smollm2.jsonl --seed 3 \
+        --source magpie-writing --system "You are a creative writing assistant. Users ask you for short poems, \
+haiku, stories, letters and other short pieces of writing."
+    python bench/magpie_prompts.py --num 500 --out dartree_ext/data/magpie_explain_smollm2.jsonl --seed 4 \
+        --source magpie-explain --system "You are a knowledgeable assistant. Users ask you to explain topics in \
+science, history, everyday life and how things work."
 """
 from __future__ import annotations
 

@@ -90,6 +90,8 @@ def test_training_prompts(P):
     assert [p.source for p in short].index("magpie") == 2751
     assert all(p.source in ("magpie-code", "magpie-math") for p in short[6751:9750])
     assert all(p.source in ("magpie-writing", "magpie-explain") for p in short[9750:])
+    sixth_kinds = [p.source for p in short[9750:]]
+    assert sixth_kinds.count("magpie-writing") >= 1400 and sixth_kinds.count("magpie-explain") >= 450
     code = next(p for p in train if p.source == "stdlib-code")
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
     method = next(p for p in train if p.source == "stdlib-methods")
