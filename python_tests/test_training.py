@@ -171,13 +171,13 @@ def _grads(trainer) -> dict:
     return {n: p.grad.detach().clone() for n, p in trainer.drafter.named_parameters() if p.grad is not None}
 
 
-def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, draft_vocab: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     got_rank, got_world, _ = setup_distributed()
     assert (got_rank, got_world) == (rank, world)
-    grads = _grads(make_trainer(out_dir, rank=rank, world=world))
+    grads = _grads(make_trainer(out_dir, rank=rank, world=world, draft_vocab=draft_vocab))
     if rank == 0:
         torch.save(grads, os.path.join(out_dir, "ddp_grads.pt"))
     torch.distributed.barrier()
@@ -188,11 +188,12 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-def test_ddp_gradients_equal_single_process(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_ddp_gradients_equal_single_process(tmp_path, draft_vocab):
     import torch.multiprocessing as mp
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), draft_vocab), nprocs=2, join=True)
     ddp = torch.load(tmp_path / "ddp_grads.pt")
-    single = _grads(make_trainer(tmp_path / "single"))
+    single = _grads(make_trainer(tmp_path / "single", draft_vocab=draft_vocab))
     assert set(ddp) == set(single) and len(single) > 10
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=1e-4, msg=name)
