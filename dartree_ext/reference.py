@@ -378,77 +378,32 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
     label is not one of them, and acceptance judged against the target over its whole vocabulary."""
     from .vat import VATLossOutput, draw_uniforms
 
-    if draft_vocab is not None:
-        return _vat_loss_draft_vocab(draft_logits, target_logits, target_tokens, vh_logits, valid, rule, temperature,
-                                     schedule, decay_gamma, vh_weight, generator, draft_vocab)
-    m, k, vocab = draft_logits.shape
+    m, k, sub = draft_logits.shape
+    vocab = target_logits.shape[-1]
+    # the target id of each draft column (all of them without a draft vocabulary)
+    ids = torch.arange(sub, device=draft_logits.device) if draft_vocab is None else draft_vocab.to(draft_logits.device)
     stat = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
     # invalid positions may hold anything (NaN included): zero them so they add no NaN gradient
     keep = valid[..., None]
     d = torch.where(keep, draft_logits.to(stat), 0.0)
     t = torch.where(keep, target_logits.detach().to(stat), 0.0)
     log_q = torch.log_softmax(d, -1)
-    p = torch.softmax(t, -1)
+    p = torch.softmax(t[..., ids], -1)                          # on the draft columns, renormalized
     ce_soft = -torch.where(p > 0, p * log_q, 0.0).sum(-1)
-    in_vocab = (target_tokens >= 0) & (target_tokens < vocab)
-    picked = log_q.gather(-1, target_tokens.clamp(0, vocab - 1)[..., None])[..., 0]
-    ce_hard = torch.where(in_vocab, -picked, torch.full_like(picked, float("nan")))
+    if draft_vocab is None:   # a label outside the vocabulary makes the loss NaN (the op's checks name it)
+        in_vocab = (target_tokens >= 0) & (target_tokens < vocab)
+        picked = log_q.gather(-1, target_tokens.clamp(0, vocab - 1)[..., None])[..., 0]
+        ce_hard = torch.where(in_vocab, -picked, torch.full_like(picked, float("nan")))
+    else:                     # no hard term where the label is not a draft token
+        match = target_tokens[..., None] == ids
+        ce_hard = torch.where(match.any(-1), -(log_q * match).sum(-1), 0.0)
     if rule == "greedy":
-        accept = d.argmax(-1) == t.argmax(-1)
+        accept = ids[d.argmax(-1)] == t.argmax(-1)               # the drafted token is the target's argmax
     else:
         u = draw_uniforms(rule, m * k, draft_logits.device, generator).view(m, k, 2).double()
         dq, tp = d.detach().double() / temperature, t.double() / temperature
         q_t = torch.softmax(dq, -1)
-        p_t = torch.softmax(tp, -1)
-        cdf = torch.cumsum(torch.exp(dq - dq.max(-1, keepdim=True).values), -1)
-        goal = u[..., 0:1] * cdf[..., -1:]
-        chosen = torch.searchsorted(cdf, goal, right=True)[..., 0]
-        chosen = torch.where(chosen < vocab, chosen, dq.argmax(-1))
-        q_x = q_t.gather(-1, chosen[..., None])[..., 0]
-        p_x = p_t.gather(-1, chosen[..., None])[..., 0]
-        accept = u[..., 1] * q_x < p_x
-    accept = accept.to(torch.float32)
-    first_reject, weights = vat_block_weights(accept, valid, schedule, decay_gamma)
-    per_position = weights.to(stat) * (ce_hard if schedule == "dflash" else ce_soft + ce_hard)
-    zero = 0.0
-    ce_loss = torch.where(valid, per_position, zero).sum() / valid.any(1).sum().clamp(min=1)
-    if vh_logits is None:
-        vh_loss = torch.zeros((), dtype=stat, device=valid.device)
-    else:
-        verified = (torch.arange(1, k + 1, device=valid.device)[None, :] < first_reject[:, None]).to(stat)
-        x = torch.where(valid, vh_logits.to(stat), zero)
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(x, verified, reduction="none")
-        vh_loss = torch.where(valid, bce, zero).sum() / valid.sum().clamp(min=1)
-    loss = ce_loss + vh_weight * vh_loss
-    return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)
-
-
-def _vat_loss_draft_vocab(draft_logits, target_logits, target_tokens, vh_logits, valid, rule, temperature,
-                          schedule, decay_gamma, vh_weight, generator, draft_vocab):
-    """:func:`vat_loss` over a draft vocabulary ``draft_vocab int64[V']``: ``draft_logits [M, K, V']``,
-    ``target_logits [M, K, V]``, ``target_tokens`` target ids."""
-    from .vat import VATLossOutput, draw_uniforms
-
-    m, k, sub = draft_logits.shape
-    ids = draft_vocab.to(draft_logits.device)
-    stat = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
-    keep = valid[..., None]
-    d = torch.where(keep, draft_logits.to(stat), 0.0)
-    t = torch.where(keep, target_logits.detach().to(stat), 0.0)
-    log_q = torch.log_softmax(d, -1)
-    p_sub = torch.softmax(t[..., ids], -1)                       # p on V', renormalized
-    ce_soft = -torch.where(p_sub > 0, p_sub * log_q, 0.0).sum(-1)
-    match = target_tokens[..., None] == ids                      # [M, K, V']: where the label sits in V'
-    has_label = match.any(-1)
-    picked = (log_q * match).sum(-1)
-    ce_hard = torch.where(has_label, -picked, torch.zeros_like(picked))
-    if rule == "greedy":
-        accept = ids[d.argmax(-1)] == t.argmax(-1)                # the drafted token is the target's argmax over V
-    else:
-        u = draw_uniforms(rule, m * k, draft_logits.device, generator).view(m, k, 2).double()
-        dq, tp = d.detach().double() / temperature, t.double() / temperature
-        q_t = torch.softmax(dq, -1)
-        p_t = torch.softmax(tp, -1)                              # over all of V
+        p_t = torch.softmax(tp, -1)                              # over the whole target vocabulary
         cdf = torch.cumsum(torch.exp(dq - dq.max(-1, keepdim=True).values), -1)
         chosen = torch.searchsorted(cdf, u[..., 0:1] * cdf[..., -1:], right=True)[..., 0]
         chosen = torch.where(chosen < sub, chosen, dq.argmax(-1))

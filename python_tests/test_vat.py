@@ -52,7 +52,7 @@ def run_both(backend, inputs, **options):
         # make the next call's copy to a GPU a non-leaf without .grad
         d = draft.detach().to(dev).clone().requires_grad_(True)
         h = None if vh is None else vh.detach().to(dev).clone().requires_grad_(True)
-        opts = dict(options)
+        opts = {key: v.to(dev) if isinstance(v, torch.Tensor) else v for key, v in options.items()}
         if "seed" in opts:
             opts["generator"] = torch.Generator().manual_seed(opts.pop("seed"))
         out = fn(d, target.to(dev), tokens.to(dev), h, valid.to(dev), **opts)
@@ -363,15 +363,9 @@ def test_draft_vocab_matches_reference(backend, rule, schedule):
     reference written from the definition; labels outside V' add no hard term; a target argmax
     outside V' rejects under the greedy rule."""
     draft, target, tokens, vh, valid, ids = _draft_vocab_inputs(6, 5, 300, 40, seed=11)
-    results = []
-    for fn, dev in ((api(backend).vat_loss, backend.device), (reference.vat_loss, torch.device("cpu"))):
-        d = draft.detach().to(dev).clone().requires_grad_(True)
-        h = vh.detach().to(dev).clone().requires_grad_(True)
-        out = fn(d, target.to(dev), tokens.to(dev), h, valid.to(dev), rule=rule, schedule=schedule,
-                 temperature=0.8, generator=torch.Generator().manual_seed(5), draft_vocab=ids.to(dev))
-        out.loss.backward()
-        results.append((out, d.grad, h.grad))
-    (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = results
+    (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = run_both(
+        backend, (draft, target, tokens, vh, valid), rule=rule, schedule=schedule, temperature=0.8, seed=5,
+        draft_vocab=ids)
     assert torch.equal(ours.first_reject.cpu(), ref.first_reject)
     assert torch.equal(ours.accept.cpu(), ref.accept)
     for name in ("loss", "ce_loss", "vh_loss"):

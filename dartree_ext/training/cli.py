@@ -186,11 +186,11 @@ def _features(target, drafter, sampler: BlockSampler, data_path: str, rank: int,
     from .features import FeatureCache
     feat_dir = os.path.join(os.path.dirname(os.path.abspath(data_path)), "features")
     seqs, layers = [s for s, _ in sampler.seqs], drafter.config.target_layer_ids
-    if rank == 0:
-        FeatureCache.build(target, layers, seqs, feat_dir)
+    cache = FeatureCache.build(target, layers, seqs, feat_dir) if rank == 0 else None
     if world > 1:
         torch.distributed.barrier()
-    return FeatureCache.build(target, layers, seqs, feat_dir, progress=False)
+    # the other ranks read what rank 0 wrote; rank 0 keeps what it built (no second read of the shards)
+    return cache if cache is not None else FeatureCache.build(target, layers, seqs, feat_dir, progress=False)
 
 
 def main(argv: list[str] | None = None) -> int:
