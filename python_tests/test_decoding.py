@@ -408,3 +408,51 @@ def test_context_kv_kept_per_slot_equals_recomputing(setup):
     for (_, a), (_, b) in zip(kept, recomputed):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(seq_kept, seq_recomputed)
+
+
+def test_context_queued_while_the_drafter_rests_equals_making_it_every_round(setup):
+    """While the automatic budget rests the drafter (rounds planned as plain steps), the target's
+    features of committed slots wait and are projected in one batch before the drafter's next
+    pass. Every draft sees the context of every committed slot, equal to the drafter's projection
+    of the target's features of the final sequences, and drafts the same as with the context made
+    every round: B = 3, prompts of different lengths, rows finishing at different rounds (a stop
+    token) while slots wait."""
+    from dartree_ext.decoding.cost import CostModel
+    target, drafter, prompts, refs = setup
+    ids, mask = left_pad(prompts)
+    stop = int(refs[0][1])  # request 0 stops in round 1, while the slots of round 0 wait
+    runs = {}
+    for defer in (True, False):
+        # verifying any draft node costs 100x a plain step: every probe plans a plain round
+        dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, max_budget=16,
+                                 cost_model=CostModel.from_curve({0: 1.0, 1: 100.0, 64: 200.0}))
+        dec._defer_context = defer
+        seen, flushes, original, flush = [], [], dec._draft, dec._flush_context
+
+        def record(run, state, _orig=original, _seen=seen):
+            draft = _orig(run, state)
+            if draft is not None:
+                _seen.append((draft.base_logits.clone(), state.active.clone(), state.past_valid.clone(),
+                              state.context[:, :state.cache_len].clone()))
+            return draft
+
+        def count(state, _flush=flush, _n=flushes):
+            _n.append(len(state.pending))
+            _flush(state)
+        dec._draft, dec._flush_context = record, count
+        out = dec.generate(ids, mask, max_new_tokens=NEW, stop_token_ids=[stop])
+        runs[defer] = seen, flushes, out
+    (deferred, batched, out_d), (every, single, out_e) = runs[True], runs[False]
+    assert torch.equal(out_d.sequences, out_e.sequences)
+    assert len({len(r.accepted) for r in out_d.stats.requests}) > 1, "the rows should finish at different rounds"
+    assert len(deferred) == len(every) > 2
+    assert max(batched) > 1 and max(single) == 1, "rounds should wait while the drafter rests"
+    seq = out_d.sequences
+    with torch.no_grad():
+        full = target(input_ids=seq, attention_mask=(torch.arange(seq.shape[1])[None] >= (ids.shape[1] - mask.sum(1))[:, None]).long(),
+                      output_hidden_states=True)
+        expected = drafter.project_context(drafter.target_features(full.hidden_states))
+    for (logits_a, rows, live, ctx_a), (logits_b, _, _, ctx_b) in zip(deferred, every):
+        torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=1e-5)
+        for ctx in (ctx_a, ctx_b):
+            torch.testing.assert_close(ctx[live], expected[rows][:, :live.shape[1]][live], atol=1e-4, rtol=1e-4)

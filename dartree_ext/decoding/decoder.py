@@ -244,6 +244,9 @@ class _Batch:
     host_length: list[int] = dataclasses.field(default_factory=list)  # ``length`` on the host
     context: torch.Tensor | None = None  # [R, S, H]: the drafter's context, slot by slot
     context_kv: list[torch.Tensor] | None = None  # per drafter layer, its keys/values of ``context``
+    # committed slots whose context vectors are not made yet (stage_context: while the drafter
+    # rests, the target's features wait here and are projected in one batch before it drafts)
+    pending: list[tuple] = dataclasses.field(default_factory=list)
     # the current round's view of the cache (begin_round) and its results
     cache_len: int = 0
     past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
@@ -266,30 +269,45 @@ class _Batch:
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = None
 
-    def append_context(self, new: torch.Tensor, in_path: torch.Tensor, new_length: int, drafter=None) -> None:
-        """Write ``new [R, W, H]`` (where ``in_path``) at each row's slots ``length ..``; with
-        ``drafter``, its keys and values of them into ``context_kv`` too."""
+    def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None, in_path: torch.Tensor) -> None:
+        """Queue the target's ``features [R, W, F]`` of the slots ``length ..`` (where ``in_path``;
+        ``next_tokens [R, W]`` for an EAGLE-3 drafter) until :meth:`SpeculativeDecoder._flush_context`
+        turns them into context vectors: a row and slot, the position and the feature per slot."""
         rows, width = in_path.shape
-        new_kv = []
-        if self.context_kv is not None:
-            positions = (self.length - self.pad)[:, None] + torch.arange(width, device=new.device)[None]
-            new_kv = drafter.context_kv(new, positions)
-        grow = new_length - self.context.shape[1]
-        dst = (self.length[:, None] + torch.arange(width, device=new.device)[None]).clamp(max=new_length - 1)
-        rows_idx = torch.arange(rows, device=new.device)[:, None].expand(-1, width)
-        rows_idx, dst = rows_idx[in_path], dst[in_path]
+        steps = torch.arange(width, device=features.device)[None]
+        dst = (self.length[:, None] + steps)[in_path]
+        pos = ((self.length - self.pad)[:, None] + steps)[in_path]
+        row = torch.arange(rows, device=features.device)[:, None].expand(-1, width)[in_path]
+        self.pending.append((row, dst, pos, features[in_path], None if next_tokens is None else next_tokens[in_path]))
+
+    def write_context(self, row: torch.Tensor, dst: torch.Tensor, vectors: torch.Tensor,
+                      kv: list[torch.Tensor]) -> None:
+        """Write context ``vectors [N, H]`` (and each drafter layer's keys/values ``[N, ...]``) at
+        slots ``(row, dst)``. The buffers grow by half their size at a time (readers slice them to
+        the round's cache length), not by a copy every round."""
+        need = max(self.host_length)
         slots = [self.context] + (self.context_kv or [])
-        for i, (old, add) in enumerate(zip(slots, [new] + new_kv)):
-            if grow > 0:
-                old = torch.cat([old, old.new_zeros((rows, grow) + tuple(old.shape[2:]))], 1)
-            old[rows_idx, dst] = add[in_path]
-            slots[i] = old
+        if need > self.context.shape[1]:
+            size = max(need, self.context.shape[1] + max(64, self.context.shape[1] // 2))
+            slots = [torch.cat([old, old.new_zeros((old.shape[0], size - old.shape[1]) + tuple(old.shape[2:]))], 1)
+                     for old in slots]
+        for old, add in zip(slots, [vectors] + kv):
+            old[row, dst] = add.to(old.dtype)
         self.context = slots[0]
         if self.context_kv is not None:
             self.context_kv = slots[1:]
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only the rows ``idx`` (int64), in the cache too."""
+        if self.pending:  # the kept rows' queued slots, renumbered
+            renumber = torch.full((self.rows,), -1, dtype=torch.int64, device=idx.device)
+            renumber[idx] = torch.arange(idx.numel(), device=idx.device)
+            kept = []
+            for row, *rest in self.pending:
+                new = renumber[row]
+                live = new >= 0
+                kept.append((new[live], *(None if t is None else t[live] for t in rest)))
+            self.pending = kept
         self.active, self.pad, self.length, self.root = self.active[idx], self.pad[idx], self.length[idx], self.root[idx]
         self.host_length = [self.host_length[i] for i in idx.tolist()]
         if self.context is not None:
@@ -475,6 +493,7 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.method = target, drafter, method
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
+        self._defer_context = True  # queue the context while the drafter rests (tests turn it off)
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
@@ -771,6 +790,18 @@ class SpeculativeDecoder:
             return self.drafter.project_context(features, next_tokens)
         return self.drafter.project_context(features)
 
+    def _flush_context(self, state: _Batch) -> None:
+        """The queued slots' context vectors (and keys/values), made in one batch and written."""
+        row, dst, pos, feats, nxt = (None if parts[0] is None else torch.cat(parts) for parts in zip(*state.pending))
+        state.pending = []
+        if state.context is None:
+            state.context = self.drafter.empty_context(state.rows)
+            if self._context_kv:
+                state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
+        vectors = self._context_vectors(feats[None], None if nxt is None else nxt[None])
+        kv = [t[0] for t in self.drafter.context_kv(vectors, pos[None])] if self._context_kv else []
+        state.write_context(row, dst, vectors[0], kv)
+
     def _draft(self, run: _Run, state: _Batch) -> DraftOutput | Tree | None:
         """The drafter pass from every row's root (``None`` without a drafter, or while a plain
         step's back-off skips it); with the verification head in use, its acceptance
@@ -778,6 +809,8 @@ class SpeculativeDecoder:
         (:func:`~dartree_ext.decoding.eagle.eagle3_draft`, not yet cut to the budget)."""
         draft = None
         if run.drafting and self._skip == 0:
+            if state.pending:
+                self._flush_context(state)
             if state.context is None:
                 state.context = self.drafter.empty_context(state.rows)
                 if self._context_kv:
@@ -949,7 +982,9 @@ class SpeculativeDecoder:
                 nxt = torch.cat([tree.tokens.gather(1, nodes)[:, 1:], verdict.bonus[:, None]], 1)
                 nxt = torch.where(torch.arange(width, device=device)[None] >= (lengths.long() - 1)[:, None],
                                   verdict.bonus[:, None], nxt)
-            state.append_context(self._context_vectors(feats, nxt), in_path, new_length, self.drafter)
+            state.stage_context(feats, nxt, in_path)
+            if self._skip == 0 or not self._defer_context:  # the drafter runs next round: no wait
+                self._flush_context(state)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None:
