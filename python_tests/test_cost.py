@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
 from dartree_ext.decoding.cost import AcceptanceCalibrator, CostModel, choose_size  # noqa: E402
-from dartree_ext.decoding.decoder import AUTO_METHODS  # noqa: E402
+from dartree_ext.decoding.decoder import AUTO_METHODS, PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
 from test_decoding import NEW, check_greedy, setup  # noqa: E402,F401  (setup: the fixture)
@@ -249,7 +249,7 @@ def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
                              lookup=0)  # the drafter alone (a context continuation can pay here)
     passes = []
     forward = drafter.forward
-    drafter.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+    drafter.forward = lambda *a, **kw: passes.append((dec._backoff, kw.get("positions"))) or forward(*a, **kw)
     try:
         out = check_greedy(dec, prompts, refs, NEW)
     finally:
@@ -258,6 +258,10 @@ def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
     assert out.stats.tau < 1.3
     # after a plain round the drafter is skipped for 1, 2, 4, ... rounds: few drafter passes
     assert 0 < len(passes) < out.stats.rounds // 3
+    # the first pass drafts every position; a probe after plain steps drafts PROBE_DEPTH at most
+    assert passes[0] == (0, drafter.config.block_size - 1) and passes[0][1] > PROBE_DEPTH
+    probes = [p for backoff, p in passes if backoff]
+    assert probes and all(p <= PROBE_DEPTH for p in probes)
 
 
 def test_auto_budget_picks_per_round_sizes(setup):
@@ -380,6 +384,9 @@ def test_build_cap_follows_recent_sizes(setup):
     assert dec._build_cap() == 10
     dec._recent_sizes = [40] * 4
     assert dec._build_cap() == 64                                         # never above max_budget
+    dec._backoff = 2                                                      # a probe after plain steps
+    assert dec._build_cap() == 16 and dec._draft_depth(15) == 4
+    dec._backoff = 0
     caps = []
     build = dec.build_tree
     dec.build_tree = lambda *a, **kw: caps.append(kw.get("cap")) or build(*a, **kw)

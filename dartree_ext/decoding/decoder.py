@@ -54,6 +54,9 @@ DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RECENT_ROUNDS = 16
+# budget="auto": a round that probes the drafter after plain steps drafts at most this many
+# positions and builds at most this many nodes; the next round grows if the probe's tree paid
+PROBE_DEPTH, PROBE_CAP = 4, 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
 ESTIMATORS = ("score", "vh")  # budget="auto": node acceptance from calibrated scores / the verification head
 
@@ -421,9 +424,10 @@ class SpeculativeDecoder:
     once per machine, model and dtype and cached on disk when not given:
     :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
     plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
-    most 16) before it is tried again. After 4 rounds the tree is built for at most twice the
-    largest size chosen lately plus 4 nodes (:meth:`_build_cap`: the same best nodes, less
-    expansion work).
+    most 16) before it is tried again; that probe drafts at most 4 positions and builds at most
+    16 nodes (a cheap question: does any tree pay now?). After 4 rounds the tree is built for at
+    most twice the largest size chosen lately plus 4 nodes (:meth:`_build_cap`: the same best
+    nodes, less expansion work).
 
     The drafter's verification head (VAT), which predicts per drafted position the probability
     that it and every position before it are accepted, is used two ways:
@@ -631,7 +635,10 @@ class SpeculativeDecoder:
         the same as those of the full build: for ``ddtree`` the heap pops them first, and for
         ``dartree`` (depth bonus <= 0, so a child never outscores its parent) they are among the
         best ``cap`` of each depth, so a width of ``cap`` per depth keeps them. It spares the
-        expansion work of nodes no round is going to verify."""
+        expansion work of nodes no round is going to verify. A probe of the drafter after plain
+        steps builds :data:`PROBE_CAP` nodes at most."""
+        if self._backoff:  # a probe after plain steps
+            return min(self.budget, PROBE_CAP)
         if len(self._recent_sizes) < 4:
             return None
         return min(self.budget, 2 * max(self._recent_sizes) + 4)
@@ -639,7 +646,10 @@ class SpeculativeDecoder:
     def _draft_depth(self, full: int) -> int:
         """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
         chosen in the last rounds (all of them until 4 rounds have been seen), so the search
-        can still grow; a deeper tree is never cut below what was chosen lately."""
+        can still grow; a deeper tree is never cut below what was chosen lately. A probe after
+        plain steps drafts :data:`PROBE_DEPTH` positions at most."""
+        if self._backoff:  # a probe after plain steps
+            return min(full, PROBE_DEPTH)
         if len(self._recent_depths) < 4:
             return full
         return max(1, min(full, max(self._recent_depths) + 2))
