@@ -800,14 +800,18 @@ class SpeculativeDecoder:
             return self.drafter.project_context(features, next_tokens)
         return self.drafter.project_context(features)
 
-    def _flush_context(self, state: _Batch) -> None:
-        """The queued slots' context vectors (and keys/values), made in one batch and written."""
-        row, dst, pos, feats, nxt = (None if parts[0] is None else torch.cat(parts) for parts in zip(*state.pending))
-        state.pending = []
+    def _ensure_context(self, state: _Batch) -> None:
+        """An empty drafter context when there is none yet (a prompt of one token has no prefix)."""
         if state.context is None:
             state.context = self.drafter.empty_context(state.rows)
             if self._context_kv:
                 state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
+
+    def _flush_context(self, state: _Batch) -> None:
+        """The queued slots' context vectors (and keys/values), made in one batch and written."""
+        row, dst, pos, feats, nxt = (None if parts[0] is None else torch.cat(parts) for parts in zip(*state.pending))
+        state.pending = []
+        self._ensure_context(state)
         vectors = self._context_vectors(feats[None], None if nxt is None else nxt[None])
         kv = [t[0] for t in self.drafter.context_kv(vectors, pos[None])] if self._context_kv else []
         state.write_context(row, dst, vectors[0], kv)
@@ -821,10 +825,7 @@ class SpeculativeDecoder:
         if run.drafting and self._skip == 0:
             if state.pending:
                 self._flush_context(state)
-            if state.context is None:
-                state.context = self.drafter.empty_context(state.rows)
-                if self._context_kv:
-                    state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
+            self._ensure_context(state)
             if self._eagle3:
                 draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
                                      early_exit=self.early_exit)
