@@ -448,9 +448,9 @@ def test_context_queued_while_the_drafter_rests_equals_making_it_every_round(set
     assert len(deferred) == len(every) > 2
     assert max(batched) > 1 and max(single) == 1, "rounds should wait while the drafter rests"
     seq = out_d.sequences
+    real = torch.arange(seq.shape[1])[None] >= (ids.shape[1] - mask.sum(1))[:, None]  # past the left padding
     with torch.no_grad():
-        full = target(input_ids=seq, attention_mask=(torch.arange(seq.shape[1])[None] >= (ids.shape[1] - mask.sum(1))[:, None]).long(),
-                      output_hidden_states=True)
+        full = target(input_ids=seq, attention_mask=real.long(), output_hidden_states=True)
         expected = drafter.project_context(drafter.target_features(full.hidden_states))
     for (logits_a, rows, live, ctx_a), (logits_b, _, _, ctx_b) in zip(deferred, every):
         torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=1e-5)
