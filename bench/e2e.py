@@ -33,7 +33,7 @@ from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import resolve_forward
 from dartree_ext.linear import LINEAR_KINDS
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
-from dartree_ext.models import LookupDrafter
+from dartree_ext.models import LookupDrafter, oracle_stop_rule
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
 from dartree_ext.tree import parse_width
 
@@ -51,7 +51,8 @@ class Params:
     width: int | tuple[int, ...] = 12   # W, or per-depth widths (the last repeats)
     K: int = 64
     depth_bonus: float = -0.2
-    early_exit: float | None = None     # the verification head's threshold p (None: no early exit)
+    early_exit: float | str | None = None  # the verification head's threshold p (None: no early exit); "oracle":
+                                           # eagle3_vh stops at the true first rejection (T = 0, ar's outputs)
     estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
     attention: str = "packed"           # the target's attention: "packed" (dartree_ext.attention) or "sdpa"
@@ -81,8 +82,13 @@ class Runner:
                  stops: list[int], device: str, seed: int = 0) -> None:
         if params.attention not in ("packed", "sdpa"):
             raise SystemExit(f"attention must be 'packed' or 'sdpa', got {params.attention!r}")
+        self.oracle_exit = params.early_exit == "oracle"
+        if self.oracle_exit and (method != "eagle3_vh" or temperature != 0):
+            raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
+        self.references = None  # early_exit=oracle: g -> the group's reference sequences (set by main)
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
-                                      depth_bonus=params.depth_bonus, early_exit=params.early_exit,
+                                      depth_bonus=params.depth_bonus,
+                                      early_exit=oracle_stop_rule([]) if self.oracle_exit else params.early_exit,
                                       estimator=params.estimator, lookup=params.lookup if method != "ar" else None)
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
@@ -96,6 +102,8 @@ class Runner:
         # the target attends as this row asks (an A/B inside one run: dartree/attention=sdpa)
         (restore_sdpa_attention if self.params.attention == "sdpa" else use_packed_attention)(self.dec.target)
         ids, mask = left_pad(group)
+        if self.oracle_exit:
+            self.dec.early_exit = oracle_stop_rule(self.references(g))
         gen = torch.Generator(device=self.device).manual_seed(self.seed + g)
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -227,7 +235,8 @@ def param_kind(name: str, params: Params):
     """How a command-line value of Params field ``name`` is parsed (sweeps and overrides)."""
     if name == "width":
         return lambda v: parse_width(v.replace("/", ","))
-    return {"budget": budget_arg, "early_exit": early_exit_arg, "lookup": int}.get(name, type(getattr(params, name)))
+    return {"budget": budget_arg, "early_exit": lambda v: v if v == "oracle" else early_exit_arg(v),
+            "lookup": int}.get(name, type(getattr(params, name)))
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
@@ -376,8 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"skipping {spec}{'@' + label if label else ''}: budget='auto' is for "
                                   f"{', '.join(AUTO_METHODS)}; give it a fixed one ({spec}/budget=16)")
                             continue
+                        if run_params.early_exit == "oracle" and (method != "eagle3_vh" or temperature != 0):
+                            print(f"skipping {spec}{'@' + label if label else ''} at T={temperature}: early_exit=oracle "
+                                  f"is for eagle3_vh at T = 0")
+                            continue
                         runner = Runner(target, drafter, method, run_params, temperature, args.max_new_tokens,
                                         stops, args.device)
+                        runner.references = lambda g, ar=ar_runner, groups=groups: [
+                            torch.tensor(p + o) for p, o in zip(groups[g], ar.outputs[g])]
                         runner.method = spec
                         runners.append((label, runner))
             hf_runners = ([HFRunner(target, temperature, args.max_new_tokens, stops, args.device)] if args.hf else []) \

@@ -5,7 +5,8 @@ a draft vocabulary: the most frequent tokens of the target's responses in the tr
         --responses runs/smollm2_vat/data.jsonl --draft-vocab 4096
 
 Without --responses the drafter's own draft_vocab.json is copied: the way to ship a drafter
-trained over its draft vocabulary (dartree-train --draft-vocab N).
+trained over its draft vocabulary (dartree-train --draft-vocab N). Block and EAGLE-3 drafters
+alike (whichever config file the source holds is copied).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import os
 from safetensors.torch import load_file, save_file
 
 from dartree_ext.models import frequent_tokens
+from dartree_ext.models.drafter import CONFIG_NAME
+from dartree_ext.models.eagle3 import EAGLE3_CONFIG_NAME
 
 SPECIAL = (0, 1, 2)  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: always draftable
 
@@ -32,9 +35,12 @@ def main(argv=None) -> int:
     state = load_file(os.path.join(args.src, "model.safetensors"))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
               os.path.join(args.dst, "model.safetensors"))
-    with open(os.path.join(args.src, "dartree_drafter.json")) as f:
+    names = [n for n in (CONFIG_NAME, EAGLE3_CONFIG_NAME) if os.path.isfile(os.path.join(args.src, n))]
+    if not names:
+        raise SystemExit(f"{args.src}: no drafter config ({CONFIG_NAME} or {EAGLE3_CONFIG_NAME})")
+    with open(os.path.join(args.src, names[0])) as f:
         config = json.load(f)
-    with open(os.path.join(args.dst, "dartree_drafter.json"), "w") as f:
+    with open(os.path.join(args.dst, names[0]), "w") as f:
         json.dump(config, f, indent=2)
     vocab_path = os.path.join(args.dst, "draft_vocab.json")
     if args.responses:

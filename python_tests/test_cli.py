@@ -55,14 +55,67 @@ def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
     assert "--- prompt 1: second, longer prompt" in out
 
 
-def _e2e():
+def _bench(name: str):
+    """The bench/ script ``name`` as a module."""
     saved = list(sys.path)
     sys.path.insert(0, BENCH)
     try:
-        import e2e
+        return __import__(name)
     finally:
         sys.path[:] = saved  # later tests (and processes they spawn) must not see the source tree
-    return e2e
+
+
+def _e2e():
+    return _bench("e2e")
+
+
+def test_vh_exit_bench_scores_hand_built_rounds(tmp_path):
+    """bench/vh_exit.py's figures on rounds worked by hand: accepted tokens a = 2, 0, 4 of K = 4;
+    at p = 0.5 the head's cut is exact, at p = 0.7 it cuts the third round after 1 token."""
+    import torch
+    vh_exit = _bench("vh_exit")
+    hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    prob = torch.tensor([[.9, .8, .4, .3], [.2, .9, .9, .9], [.9, .6, .6, .6]])
+    row = vh_exit.summarize(hits, prob)
+    assert row["anchors"] == 3 and row["top1"] == pytest.approx([2 / 3, 1, 2 / 3, 1])
+    assert row["chain_tau"] == pytest.approx(3.0) and row["oracle_steps"] == pytest.approx(8 / 3)
+    assert row["thresholds"]["0.5"] == pytest.approx({"mae": 0.0, "lost": 0.0, "steps": 8 / 3})
+    assert row["thresholds"]["0.7"] == pytest.approx({"mae": 1.0, "lost": 1.0, "steps": 2.0})
+    assert row["thresholds"]["0.05"] == pytest.approx({"mae": 2.0, "lost": 0.0, "steps": 4.0})
+
+
+def test_vh_exit_bench_runs_on_eagle3_drafters_only(tmp_path):
+    from dartree_ext.loading import load_drafter, load_target
+    vh_exit = _bench("vh_exit")
+    target = load_target("tiny").target
+    e3, blk = tmp_path / "e3", tmp_path / "blk"
+    load_drafter(None, target, eagle3=True).save_pretrained(str(e3))
+    load_drafter(None, target).save_pretrained(str(blk))
+    out = tmp_path / "r.json"
+    assert vh_exit.main(["--target", "tiny", "--drafter", f"a={e3}", "--sets", "default", "--num", "2",
+                         "--max-new-tokens", "16", "--json", str(out)]) == 0
+    row = json.load(open(out))["results"]["a"]["all"]
+    assert row["anchors"] > 0 and len(row["top1"]) == 7 and len(row["thresholds"]) == 19
+    with pytest.raises(SystemExit, match="not an EAGLE-3 drafter"):
+        vh_exit.main(["--target", "tiny", "--drafter", str(blk), "--sets", "default", "--num", "1"])
+
+
+def test_e2e_bench_oracle_early_exit(tmp_path):
+    """``eagle3_vh/early_exit=oracle``: the stop rule follows ar's outputs (T = 0 only; skipped at
+    T > 0 and for other methods), output equal to ar's, no more verified nodes than eagle3's."""
+    from dartree_ext.loading import load_drafter, load_target
+    e2e = _e2e()
+    e3 = tmp_path / "e3"
+    load_drafter(None, load_target("tiny").target, eagle3=True).save_pretrained(str(e3))
+    result = tmp_path / "r.json"
+    assert e2e.main(["--num-prompts", "2", "--max-new-tokens", "8", "--budget", "16", "--width", "4", "--K", "4",
+                     "--drafter", str(e3), "--temperatures", "0,1", "--json", str(result),
+                     "--methods", "eagle3,eagle3_vh/early_exit=oracle,eagle3/early_exit=oracle"]) == 0
+    rows = {(r["method"], r["temperature"]): r for r in json.load(open(result))}
+    assert set(rows) == {("ar", 0), ("eagle3", 0), ("eagle3_vh/early_exit=oracle", 0), ("ar", 1), ("eagle3", 1)}
+    oracle, full = rows[("eagle3_vh/early_exit=oracle", 0)], rows[("eagle3", 0)]
+    assert oracle["same_as_ar"] and full["same_as_ar"]
+    assert oracle["mean_tree_nodes"] < full["mean_tree_nodes"]   # a random drafter: stops at once, mostly
 
 
 def test_e2e_bench_runs_and_checks_losslessness(tmp_path, capsys):

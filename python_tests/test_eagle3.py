@@ -15,6 +15,7 @@ from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import decoder as decoder_module  # noqa: E402
 from dartree_ext.decoding.eagle import draft_eagle3_tree  # noqa: E402
 from dartree_ext.models import BlockDrafter, Eagle3Drafter  # noqa: E402
+from dartree_ext.models import oracle_stop_rule  # noqa: E402
 from dartree_ext.models.eagle3 import EAGLE3_DECAY_GAMMA  # noqa: E402
 from dartree_ext.training import BlockSampler, TrainConfig, Trainer  # noqa: E402
 from dartree_ext.training.eagle import Eagle3Objective, eagle3_soft_ce, eagle3_weights  # noqa: E402
@@ -437,6 +438,43 @@ def test_early_exit_cuts_the_depth_at_the_predicted_rejection(setup, monkeypatch
                 assert all(n == 0 for n in out.stats.tree_nodes) and set(widths[1:]) == {1}
     finally:
         trained.verification_head = head
+
+
+def test_oracle_stop_rule_drafts_less_and_loses_no_accepted_token(setup):
+    """A stop rule as ``early_exit``: the oracle (the target's greedy output as references) stops
+    each row at the true first rejection. Its trees are nodes of the full trees, so it accepts at
+    least as much per round while verifying fewer nodes; rows it cannot place stop at once."""
+    target, _, trained, prompts, refs = setup
+    # references past the last round's reach (a draft may run STEPS tokens beyond NEW)
+    seqs = [torch.cat([p, greedy_reference(target, p, NEW + STEPS + 1)]) for p in prompts]
+    kw = dict(budget=16, width=4, K=8)
+    full = check_greedy(SpeculativeDecoder(target, trained, "eagle3", **kw), prompts, refs)
+    steps = []
+
+    def recording(rule):
+        def wrapped(step, root, position, paths):
+            assert paths.shape == (root.shape[0], paths.shape[1], step)
+            steps.append(step)
+            return rule(step, root, position, paths)
+        return wrapped
+
+    oracle = check_greedy(SpeculativeDecoder(target, trained, "eagle3_vh", early_exit=recording(oracle_stop_rule(seqs)),
+                                             **kw), prompts, refs)
+    assert full.stats.tau > 1.5
+    for o, f in zip(oracle.stats.requests, full.stats.requests):
+        assert o.accepted == f.accepted   # here every accepted path was in the full tree's top 16
+    assert sum(oracle.stats.tree_nodes) < sum(full.stats.tree_nodes)
+    assert max(steps) > 1
+    # no reference to follow: every round is a plain step
+    lost = check_greedy(SpeculativeDecoder(target, trained, "eagle3_vh", early_exit=oracle_stop_rule([]), **kw),
+                        prompts, refs)
+    assert lost.stats.tau == 1.0 and all(n == 0 for n in lost.stats.tree_nodes)
+
+
+def test_stop_rule_is_for_eagle3_vh_only(setup):
+    target, block_drafter, trained, _, _ = setup
+    with pytest.raises(ValueError, match="stop rule.*eagle3_vh"):
+        SpeculativeDecoder(target, trained, "eagle3", early_exit=oracle_stop_rule([]))
 
 
 @pytest.mark.parametrize("method,temperature,top_p", [("eagle3", 1.0, None), ("eagle3_vh", 0.7, 0.9)])

@@ -39,7 +39,7 @@ from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
 from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
-from .eagle import eagle3_draft
+from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
 log = logging.getLogger(__name__)
@@ -457,13 +457,15 @@ class SpeculativeDecoder:
     drafter log-probability) with their ``min(K, width)`` most probable children; all drafted
     nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`). ``eagle3_vh``
     stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
-    default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there.
+    default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there; its ``early_exit`` may
+    also be a stop rule (:data:`~dartree_ext.decoding.eagle.StopRule`, e.g. an oracle that knows
+    the target's output), which only changes where drafting stops, so decoding stays lossless.
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
                  method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
-                 calibrator: AcceptanceCalibrator | None = None, early_exit: float | None = None,
+                 calibrator: AcceptanceCalibrator | None = None, early_exit: float | StopRule | None = None,
                  estimator: str = "score", lookup: int | None = None) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
@@ -476,7 +478,11 @@ class SpeculativeDecoder:
         width = canonical_width(width)
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
-        if early_exit is not None and not 0.0 < early_exit < 1.0:
+        if callable(early_exit):
+            if method != "eagle3_vh":
+                raise ValueError(f"a stop rule as early_exit (a callable) is for method 'eagle3_vh', not {method!r}; "
+                                 f"other methods take a probability threshold")
+        elif early_exit is not None and not 0.0 < early_exit < 1.0:
             raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
         _check_drafter_kind(method, drafter, early_exit, width, K)
         if method == "eagle3_vh" and early_exit is None:
@@ -809,7 +815,8 @@ class SpeculativeDecoder:
 
     def _flush_context(self, state: _Batch) -> None:
         """The queued slots' context vectors (and keys/values), made in one batch and written."""
-        row, dst, pos, feats, nxt = (None if parts[0] is None else torch.cat(parts) for parts in zip(*state.pending))
+        row, dst, pos, feats, nxt = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
+                                     for parts in zip(*state.pending))  # one entry (every drafting round): no copy
         state.pending = []
         self._ensure_context(state)
         vectors = self._context_vectors(feats[None], None if nxt is None else nxt[None])

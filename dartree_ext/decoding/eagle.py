@@ -9,14 +9,23 @@ tokens as nodes. At the end all drafted nodes are reranked to the budget by
 :func:`~dartree_ext.tree.prune` (``select_top_b``: scores never increase along a path, so the
 kept set is the global top-B and prefix-closed). With ``early_exit=p`` a row stops before the
 step whose best frontier node the verification head gives a probability below ``p``.
+``early_exit`` may instead be a stop rule (:data:`StopRule`), called before each step's children
+are added; benchmarks use it for the oracle exit at the true first rejection.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Union
 
 import torch
 
 from ..tree import Tree
+
+StopRule = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``rule(step, root, position, paths) -> bool[R]``: stop a row before step ``step``'s children
+are added. ``root int64[R]`` and ``position int64[R]`` as given to :func:`draft_eagle3_tree`;
+``paths int64[R, C, step]``: the tokens below the root of every candidate child of this step
+(its frontier node's path, then the child), ``C = frontier width x children``."""
 
 
 @dataclasses.dataclass
@@ -28,6 +37,7 @@ class _Frontier:
     hidden: torch.Tensor   # [R, F, H]: the hidden input (the parent's run output)
     scores: torch.Tensor   # float32[R, F]
     ancestors: torch.Tensor  # bool[R, F, E]: expanded nodes on the path (before this run)
+    paths: torch.Tensor    # int64[R, F, d - 1]: the tokens below the root, this node's included
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -37,12 +47,13 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, context: torch.Tensor,
                       context_kv: torch.Tensor, past_valid: torch.Tensor, last_slot: torch.Tensor, *, steps: int,
-                      width: int, children: int, early_exit: float | None = None) -> Tree:
+                      width: int, children: int, early_exit: Union[float, StopRule, None] = None) -> Tree:
     """All drafted nodes of every row (root first, parents before children, ``num_nodes`` per row;
     not yet cut to a budget). ``root int64[R]`` at ``position int64[R]``; the committed context:
     ``context [R, S, 2H]`` (:meth:`Eagle3Drafter.project_context` per slot), its keys and values
     ``context_kv [R, S, 2, kv_heads, head_dim]``, ``past_valid bool[R, S]``, ``last_slot int64[R]``
-    (the slot of the last committed token, -1 when a row has none)."""
+    (the slot of the last committed token, -1 when a row has none). ``early_exit``: the
+    verification head's threshold ``p``, or a :data:`StopRule`."""
     rows, device = root.shape[0], root.device
     frontier, ctx_visible, ctx_k, ctx_v = _root_frontier(drafter, root, context, context_kv, past_valid, last_slot)
     exp_k = exp_v = ctx_k[:, :, :0]
@@ -60,15 +71,20 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         exp_k, exp_v = torch.cat([exp_k, k], 2), torch.cat([exp_v, v], 2)
         anc = torch.cat([frontier.ancestors, torch.eye(f, dtype=torch.bool, device=device).expand(rows, -1, -1)], 2)
         normed, logits = drafter.head(out)
-        if early_exit is not None:  # the best frontier node's path predicted rejected: stop the row here
-            p_best = torch.sigmoid(drafter.verification_head(normed[:, 0]).float())
-            num_nodes = torch.where((num_nodes < 0) & (p_best < early_exit), count, num_nodes)
-            if bool((num_nodes >= 0).all()):
-                break
         c = min(children, logits.shape[-1])
         logp, ids = torch.log_softmax(logits.float(), -1).topk(c, dim=-1)        # [R, F, c]
+        child_tokens = drafter.vocab_ids(ids).reshape(rows, f * c)
+        child_paths = torch.cat([frontier.paths.repeat_interleave(c, 1), child_tokens[..., None]], 2)
+        if early_exit is not None:  # stop a row here: its draft ends before this step's children
+            if callable(early_exit):
+                stop = early_exit(d, root, position, child_paths).to(device=device, dtype=torch.bool)
+            else:  # the best frontier node's path predicted rejected
+                stop = torch.sigmoid(drafter.verification_head(normed[:, 0]).float()) < early_exit
+            num_nodes = torch.where((num_nodes < 0) & stop, count, num_nodes)
+            if bool((num_nodes >= 0).all()):
+                break
         child_scores = (frontier.scores[..., None] + logp).reshape(rows, f * c)
-        tokens.append(drafter.vocab_ids(ids).reshape(rows, f * c))
+        tokens.append(child_tokens)
         parents.append(frontier.nodes.repeat_interleave(c, 1))
         depths.append(root.new_full((rows, f * c), d))
         scores.append(child_scores)
@@ -78,7 +94,8 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         best = child_scores.topk(min(width, f * c), dim=-1).indices                 # next frontier
         src = best // c
         frontier = _Frontier(nodes=count + best, tokens=tokens[-1].gather(1, best), hidden=_gather_rows(out, src),
-                             scores=child_scores.gather(1, best), ancestors=_gather_rows(anc, src))
+                             scores=child_scores.gather(1, best), ancestors=_gather_rows(anc, src),
+                             paths=_gather_rows(child_paths, best))
         count += f * c
     num_nodes = torch.where(num_nodes < 0, count, num_nodes)
     return _as_tree(tokens, parents, depths, scores, count, num_nodes)
@@ -100,7 +117,8 @@ def _root_frontier(drafter, root, context, context_kv, past_valid, last_slot):
     frontier = _Frontier(nodes=root.new_zeros(rows, 1), tokens=root[:, None],
                          hidden=torch.where(has_ctx[:, None], last, 0)[:, None],
                          scores=torch.zeros(rows, 1, device=device),
-                         ancestors=torch.zeros(rows, 1, 0, dtype=torch.bool, device=device))
+                         ancestors=torch.zeros(rows, 1, 0, dtype=torch.bool, device=device),
+                         paths=root.new_zeros(rows, 1, 0))
     return frontier, ctx_visible, ctx_k, ctx_v
 
 

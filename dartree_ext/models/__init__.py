@@ -4,7 +4,7 @@
 from .drafter import (BlockDrafter, BlockDrafterConfig, CorrectionHead, DraftOutput, VerificationHead,
                       default_target_layers, frequent_tokens)
 from .eagle3 import Eagle3Drafter, Eagle3DrafterConfig
-from .oracle import LookupDrafter
+from .oracle import LookupDrafter, oracle_stop_rule
 
 __all__ = ["BlockDrafter", "Eagle3Drafter", "Eagle3DrafterConfig", "LookupDrafter", "BlockDrafterConfig",
            "CorrectionHead", "DraftOutput", "VerificationHead", "default_target_layers", "frequent_tokens"]
