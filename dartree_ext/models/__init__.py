@@ -7,4 +7,5 @@ from .eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from .oracle import LookupDrafter, oracle_stop_rule
 
 __all__ = ["BlockDrafter", "Eagle3Drafter", "Eagle3DrafterConfig", "LookupDrafter", "BlockDrafterConfig",
-           "CorrectionHead", "DraftOutput", "VerificationHead", "default_target_layers", "frequent_tokens"]
+           "CorrectionHead", "DraftOutput", "VerificationHead", "default_target_layers", "frequent_tokens",
+           "oracle_stop_rule"]
