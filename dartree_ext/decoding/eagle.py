@@ -37,7 +37,7 @@ class _Frontier:
     hidden: torch.Tensor   # [R, F, H]: the hidden input (the parent's run output)
     scores: torch.Tensor   # float32[R, F]
     ancestors: torch.Tensor  # bool[R, F, E]: expanded nodes on the path (before this run)
-    paths: torch.Tensor    # int64[R, F, d - 1]: the tokens below the root, this node's included
+    paths: torch.Tensor    # int64[R, F, d - 1]: the tokens below the root, this node's included (stop rules only)
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,8 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         c = min(children, logits.shape[-1])
         logp, ids = torch.log_softmax(logits.float(), -1).topk(c, dim=-1)        # [R, F, c]
         child_tokens = drafter.vocab_ids(ids).reshape(rows, f * c)
-        child_paths = torch.cat([frontier.paths.repeat_interleave(c, 1), child_tokens[..., None]], 2)
+        child_paths = torch.cat([frontier.paths.repeat_interleave(c, 1), child_tokens[..., None]], 2) \
+            if callable(early_exit) else frontier.paths  # paths only for a stop rule
         if early_exit is not None:  # stop a row here: its draft ends before this step's children
             if callable(early_exit):
                 stop = early_exit(d, root, position, child_paths).to(device=device, dtype=torch.bool)
@@ -95,7 +96,7 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         src = best // c
         frontier = _Frontier(nodes=count + best, tokens=tokens[-1].gather(1, best), hidden=_gather_rows(out, src),
                              scores=child_scores.gather(1, best), ancestors=_gather_rows(anc, src),
-                             paths=_gather_rows(child_paths, best))
+                             paths=_gather_rows(child_paths, best) if callable(early_exit) else child_paths)
         count += f * c
     num_nodes = torch.where(num_nodes < 0, count, num_nodes)
     return _as_tree(tokens, parents, depths, scores, count, num_nodes)
