@@ -52,7 +52,7 @@ for step in "${steps[@]}"; do
           --temperatures 0,1 --json "$OUT/e2e_smollm2_eagle3.json" ;;
     eagle3_exit) $PYTHON "${common[@]}" --drafter "$E3_VAT" \
           --dtype "$DTYPE" --budget 16 --width 4 --temperatures 0 --json "$OUT/e2e_smollm2_eagle3_exit.json" \
-          --methods eagle3,eagle3_vh/early_exit=0.3,eagle3_vh/early_exit=0.5,eagle3_vh/early_exit=0.7,eagle3_vh/early_exit=oracle ;;
+          --methods eagle3,eagle3_vh/early_exit=0.1,eagle3_vh/early_exit=0.2,eagle3_vh/early_exit=0.3,eagle3_vh/early_exit=0.5,eagle3_vh/early_exit=oracle ;;
     *) echo "unknown step $step (t0 t1 sweep fp32 estimator early_exit fixed eagle3 eagle3_exit)"; exit 2 ;;
   esac
 done

@@ -150,7 +150,8 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", default=None, help="a drafter directory (save_pretrained); default: the drafter "
                         "shipped for the target, else a random one")
     parser.add_argument("--method", default="dartree", choices=ALL_METHODS,
-                        help="eagle3 / eagle3_vh take an EAGLE-3 drafter (--drafter DIR; a random one without it)")
+                        help="eagle3 / eagle3_vh take an EAGLE-3 drafter (--drafter DIR; default: the EAGLE-3 "
+                             "drafter shipped for the target, else a random one)")
     parser.add_argument("--prompt", default="Write a haiku about trees.")
     parser.add_argument("--prompt-file", default=None, help="one prompt per line (decoded as one batch)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -198,7 +199,7 @@ def _load_for_generate(args):
     if budget == "auto" and args.method not in AUTO_METHODS:
         budget = 64
     eagle3 = args.method in EAGLE3_METHODS
-    drafter_path = args.drafter or (None if eagle3 else shipped_drafter(loaded.name))
+    drafter_path = args.drafter or shipped_drafter(loaded.name, eagle3=eagle3)
     drafter = None
     if args.method not in ("ar", "lookup"):
         drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from .models import BlockDrafter, Eagle3Drafter
+from .models.drafter import CONFIG_NAME
 from .models.eagle3 import EAGLE3_CONFIG_NAME
 
 log = logging.getLogger(__name__)
@@ -94,15 +95,18 @@ def _load_target(spec: str, dtype: torch.dtype, device: str) -> Loaded:
 
 
 SHIPPED_DRAFTERS = {"SmolLM2-135M-Instruct": "smollm2-135m-vat"}
+SHIPPED_EAGLE3_DRAFTERS = {"SmolLM2-135M-Instruct": "smollm2-135m-eagle3-vat"}
 
 
-def shipped_drafter(target_name: str) -> str | None:
-    """The directory of the drafter shipped in the package for this target, if any."""
-    name = SHIPPED_DRAFTERS.get(target_name)
+def shipped_drafter(target_name: str, eagle3: bool = False) -> str | None:
+    """The directory of the (block, or with ``eagle3`` EAGLE-3) drafter shipped in the package
+    for this target, if any."""
+    name = (SHIPPED_EAGLE3_DRAFTERS if eagle3 else SHIPPED_DRAFTERS).get(target_name)
     if name is None:
         return None
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters", name)
-    return path if os.path.isfile(os.path.join(path, "dartree_drafter.json")) else None
+    config = EAGLE3_CONFIG_NAME if eagle3 else CONFIG_NAME
+    return path if os.path.isfile(os.path.join(path, config)) else None
 
 
 def default_target() -> str:

@@ -194,6 +194,10 @@ def test_default_target_uses_the_shipped_drafter():
     from dartree_ext.loading import default_target, shipped_drafter
     path = shipped_drafter("SmolLM2-135M-Instruct")
     assert path is not None and os.path.getsize(os.path.join(path, "model.safetensors")) < 25 * 2 ** 20
+    eagle3 = shipped_drafter("SmolLM2-135M-Instruct", eagle3=True)
+    assert eagle3 is not None and eagle3 != path
+    assert os.path.getsize(os.path.join(eagle3, "model.safetensors")) < 25 * 2 ** 20
+    assert shipped_drafter("tiny") is None and shipped_drafter("tiny", eagle3=True) is None
     try:
         from dartree_ext.data.smollm2 import gguf_file
         gguf_file()

