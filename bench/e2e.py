@@ -74,6 +74,12 @@ def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
     return sets
 
 
+def oracle_misfit(method: str, params: Params, temperature: float) -> bool:
+    """``early_exit=oracle`` where it cannot run: it follows ar's greedy outputs, so only
+    ``eagle3_vh`` at T = 0."""
+    return params.early_exit == "oracle" and (method != "eagle3_vh" or temperature != 0)
+
+
 class Runner:
     """One method on the prompt groups, one group per :meth:`step`, so every method can run on a
     group before any runs on the next (interleaved: the machine's drift affects all alike)."""
@@ -83,7 +89,7 @@ class Runner:
         if params.attention not in ("packed", "sdpa"):
             raise SystemExit(f"attention must be 'packed' or 'sdpa', got {params.attention!r}")
         self.oracle_exit = params.early_exit == "oracle"
-        if self.oracle_exit and (method != "eagle3_vh" or temperature != 0):
+        if oracle_misfit(method, params, temperature):
             raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
         self.references = None  # early_exit=oracle: g -> the group's reference sequences (set by main)
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"skipping {spec}{'@' + label if label else ''}: budget='auto' is for "
                                   f"{', '.join(AUTO_METHODS)}; give it a fixed one ({spec}/budget=16)")
                             continue
-                        if run_params.early_exit == "oracle" and (method != "eagle3_vh" or temperature != 0):
+                        if oracle_misfit(method, run_params, temperature):
                             print(f"skipping {spec}{'@' + label if label else ''} at T={temperature}: early_exit=oracle "
                                   f"is for eagle3_vh at T = 0")
                             continue

@@ -37,7 +37,8 @@ class _Frontier:
     hidden: torch.Tensor   # [R, F, H]: the hidden input (the parent's run output)
     scores: torch.Tensor   # float32[R, F]
     ancestors: torch.Tensor  # bool[R, F, E]: expanded nodes on the path (before this run)
-    paths: torch.Tensor    # int64[R, F, d - 1]: the tokens below the root, this node's included (stop rules only)
+    paths: torch.Tensor | None  # int64[R, F, d - 1]: the tokens below the root, this node's included
+                                # (kept for a stop rule only)
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,7 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         [torch.zeros(rows, 1, device=device)]
     count = 1
     num_nodes = torch.full((rows,), -1, dtype=torch.int64, device=device)  # -1: still drafting
+    rule = early_exit if callable(early_exit) else None  # a stop rule reads the candidates' paths
     for d in range(1, steps + 1):
         f = frontier.nodes.shape[1]
         visible = torch.cat([ctx_visible[:, None].expand(-1, f, -1), frontier.ancestors,
@@ -74,11 +76,11 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         c = min(children, logits.shape[-1])
         logp, ids = torch.log_softmax(logits.float(), -1).topk(c, dim=-1)        # [R, F, c]
         child_tokens = drafter.vocab_ids(ids).reshape(rows, f * c)
-        child_paths = torch.cat([frontier.paths.repeat_interleave(c, 1), child_tokens[..., None]], 2) \
-            if callable(early_exit) else frontier.paths  # paths only for a stop rule
+        child_paths = None if rule is None else \
+            torch.cat([frontier.paths.repeat_interleave(c, 1), child_tokens[..., None]], 2)
         if early_exit is not None:  # stop a row here: its draft ends before this step's children
-            if callable(early_exit):
-                stop = early_exit(d, root, position, child_paths).to(device=device, dtype=torch.bool)
+            if rule is not None:
+                stop = rule(d, root, position, child_paths).to(device=device, dtype=torch.bool)
             else:  # the best frontier node's path predicted rejected
                 stop = torch.sigmoid(drafter.verification_head(normed[:, 0]).float()) < early_exit
             num_nodes = torch.where((num_nodes < 0) & stop, count, num_nodes)
@@ -96,7 +98,7 @@ def draft_eagle3_tree(drafter, root: torch.Tensor, position: torch.Tensor, conte
         src = best // c
         frontier = _Frontier(nodes=count + best, tokens=tokens[-1].gather(1, best), hidden=_gather_rows(out, src),
                              scores=child_scores.gather(1, best), ancestors=_gather_rows(anc, src),
-                             paths=_gather_rows(child_paths, best) if callable(early_exit) else child_paths)
+                             paths=None if rule is None else _gather_rows(child_paths, best))
         count += f * c
     num_nodes = torch.where(num_nodes < 0, count, num_nodes)
     return _as_tree(tokens, parents, depths, scores, count, num_nodes)
