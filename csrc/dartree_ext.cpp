@@ -70,6 +70,7 @@ TORCH_LIBRARY(dartree_ext, m) {
   // linear area (CPU only: a target's linear layers over the few rows of a verification forward)
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_portable(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear_avx2(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

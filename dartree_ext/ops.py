@@ -141,8 +141,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Batch-invariant: row ``m`` of the result is bit-identical to the result for ``x[m]`` alone, so a
     tree verification rounds like a plain step. Products accumulate in float32 (bfloat16 weights
     are widened exactly; the result is rounded once, at the end). AVX-512 (F, and BW + VL for
-    bfloat16) where the CPU has it, a portable loop otherwise (``build_info()["few_rows_linear"]``
-    says which). ``bias`` has the dtype of ``x``. No autograd.
+    bfloat16) where the CPU has it, else AVX2 + FMA (the same bits), else a portable loop
+    (``build_info()["few_rows_linear"]`` says which). ``bias`` has the dtype of ``x``. No autograd.
     """
     return _ops.few_rows_linear.default(x, weight, bias)
 
@@ -422,6 +422,11 @@ def _few_rows_linear_fake(x, weight, bias):
 
 @torch.library.register_fake("dartree_ext::few_rows_linear_portable")
 def _few_rows_linear_portable_fake(x, weight, bias):
+    return _few_rows_linear_fake(x, weight, bias)
+
+
+@torch.library.register_fake("dartree_ext::few_rows_linear_avx2")
+def _few_rows_linear_avx2_fake(x, weight, bias):
     return _few_rows_linear_fake(x, weight, bias)
 
 

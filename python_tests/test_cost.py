@@ -153,6 +153,24 @@ def test_measure_cost_model_tiny(cache_dir):
     assert cost.draft_ms > 0 and set(cost.tree_ms) == {"ddtree", "dartree"}
 
 
+def test_drafter_pass_is_timed_as_the_decoder_runs_it(cache_dir, monkeypatch):
+    """The decoder keeps every committed slot's drafter keys and values, so a round's pass gets them
+    (``context_kv``) and projects only its block; the cost model must time that pass, not one that
+    re-projects the whole context every call (several times dearer on a CPU)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    calls = []
+    forward = type(drafter).forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("context_kv") is not None)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "forward", spy)
+    costmod.measure_cost_model(target, drafter, methods=["chain"], nodes=[0, 2], contexts=[8, 32], reps=2)
+    assert calls and all(calls)
+
+
 def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
     calls = []
 

@@ -14,7 +14,12 @@ from dartree_ext.linear import (DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind
                                 use_few_rows_linear)
 from dartree_ext.loading import tiny_target
 
+_FLAGS = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+HAS_AVX2 = {"avx2", "fma"} <= _FLAGS
 OPS = {"fast": torch.ops.dartree_ext.few_rows_linear, "portable": torch.ops.dartree_ext.few_rows_linear_portable}
+if HAS_AVX2:
+    OPS["avx2"] = torch.ops.dartree_ext.few_rows_linear_avx2
+PATHS = list(OPS)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -42,7 +47,7 @@ def _check_close(y, x, w, b):
     assert bool(((y.double() - exact).abs() <= tol).all()), (y.double() - exact).abs().max()
 
 
-@pytest.mark.parametrize("path", ["fast", "portable"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 583, 1539), (23, 64, 9), (65, 31, 4), (13, 1, 3),
                                       (6, 33, 1), (256, 40, 17)])
@@ -52,7 +57,7 @@ def test_matches_reference(path, dtype, rows, k, n):
     _check_close(OPS[path](x, w, None), x, w, None)
 
 
-@pytest.mark.parametrize("path", ["fast", "portable"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_invariant(path, dtype):
     """Row m of a batch is bit-identical to that row alone, and to it inside any other batch."""
@@ -76,12 +81,55 @@ def test_batch_invariant(path, dtype):
 
 
 def test_fast_path_where_the_cpu_has_it():
-    """On a CPU with AVX-512F/BW/VL the build must take the vector path (else this test is the
-    portable path twice)."""
-    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
-    info = dartree_ext.build_info()["few_rows_linear"]
-    assert info["float32"] == ("avx512" if "avx512f" in flags else "generic")
-    assert info["bfloat16"] == ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "generic")
+    """On a CPU with AVX-512F/BW/VL the build must take the AVX-512 path, else with AVX2 + FMA the
+    AVX2 one (else this test is the portable path twice)."""
+    flags, info = _FLAGS, dartree_ext.build_info()["few_rows_linear"]
+    fallback = "avx2" if HAS_AVX2 else "generic"
+    assert info["float32"] == ("avx512" if "avx512f" in flags else fallback)
+    assert info["bfloat16"] == ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else fallback)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 + FMA")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 583, 1539), (13, 1, 3), (6, 33, 1), (5, 47, 9),
+                                      (64, 576, 130), (3, 1536, 576)])
+def test_avx2_path_gives_the_fast_paths_bits(dtype, rows, k, n):
+    """The AVX2 path runs the AVX-512 path's arithmetic lane for lane (a 16-lane accumulator as two
+    8-lane halves, the same reduction): on an AVX-512 CPU the two agree bit for bit (on an
+    AVX2-only CPU "fast" is the AVX2 path, and this checks it against the op's default)."""
+    x, w, b = _inputs(rows, k, n, dtype, seed=rows + 7 * k + n)
+    for bias in (b, None):
+        assert torch.equal(OPS["avx2"](x, w, bias), OPS["fast"](x, w, bias))
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 + FMA")
+def test_avx2_path_sums_in_the_documented_order():
+    """Each output is 16 lane sums over k = l mod 16 (bfloat16: the even / odd interleave of each
+    32-block, then plain order in the tail), added halves-pairwise: rebuilt here in float32 with
+    fused multiply-adds from float64 products rounded once, which is what an FMA does."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype, k in ((torch.float32, 37), (torch.float32, 64), (torch.bfloat16, 75), (torch.bfloat16, 64)):
+        x = torch.randn(3, k, generator=gen).to(dtype)
+        w = torch.randn(2, k, generator=gen).to(dtype)
+        got = OPS["avx2"](x, w, None).float()
+        if dtype == torch.bfloat16:   # lane of input index i: interleaved 32-blocks, then plain
+            pairs = k // 32 * 32
+            lane = [((i % 32) // 2 if i < pairs else i % 16) for i in range(k)]
+        else:
+            lane = [i % 16 for i in range(k)]
+        for m in range(3):
+            for n in range(2):
+                acc = [0.0] * 16
+                for i in range(k):   # k order within each lane; an FMA rounds acc + x * w once
+                    prod = float(x[m, i].double() * w[n, i].double())
+                    acc[lane[i]] = float(torch.tensor(acc[lane[i]] + prod, dtype=torch.float64).float())
+                v = torch.tensor(acc, dtype=torch.float32)
+                s8 = v[:8] + v[8:]
+                s4 = s8[:4] + s8[4:]
+                s2 = s4[:2] + s4[2:]
+                s1 = s2[0] + s2[1]
+                want = s1.to(dtype).float()
+                assert torch.equal(got[m, n], want), (dtype, k, m, n, got[m, n].item(), want.item())
 
 
 def test_hand_built():
@@ -127,7 +175,7 @@ def test_opcheck():
 
 def test_build_info_names_the_path():
     info = dartree_ext.build_info()["few_rows_linear"]
-    assert set(info) == {"float32", "bfloat16"} and set(info.values()) <= {"avx512", "generic"}
+    assert set(info) == {"float32", "bfloat16"} and set(info.values()) <= {"avx512", "avx2", "generic"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,7 +318,9 @@ def test_cost_key_names_the_linear():
     target = tiny_target()
     key = costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"])
     use_few_rows_linear(target)
-    assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(key, linear="few_rows")
+    paths = dartree_ext.build_info()["few_rows_linear"]   # a new kernel path is a new entry
+    assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(key, linear="few_rows",
+                                                                                    few_rows_linear=paths)
 
 
 def test_cost_key_names_the_drafters_linear():
@@ -279,7 +329,8 @@ def test_cost_key_names_the_drafters_linear():
     drafter = BlockDrafter.from_target(target).eval()
     key = costmod.cost_key(target, drafter, "cpu", [0, 1], [64], ["dartree"])
     use_few_rows_linear(drafter)
-    assert costmod.cost_key(target, drafter, "cpu", [0, 1], [64], ["dartree"]) == dict(key, drafter_linear="few_rows")
+    assert costmod.cost_key(target, drafter, "cpu", [0, 1], [64], ["dartree"]) == dict(
+        key, drafter_linear="few_rows", few_rows_linear=dartree_ext.build_info()["few_rows_linear"])
 
 
 def test_linear_as_follows_the_layer(monkeypatch):

@@ -1,11 +1,12 @@
 // CPU kernel for a linear layer over a few rows: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), the
 // shape of a verification forward (M = root + tree nodes, at most a few dozen) through a target's
-// weights. Each block of 4 weight rows is read once per call and dotted with all M rows of x (in
-// blocks of 6, from L1/L2), accumulating in float32.
+// weights. Each block of 4 weight rows (2 with AVX2) is read once per call and dotted with all M
+// rows of x (in blocks of 6; 3 or 2 with AVX2; from L1/L2), accumulating in float32.
 //
 // Every output element is computed by the same instruction sequence whatever M, N and the row's
 // place in the batch: its own accumulator over K in fixed chunks (16 float32 FMA lanes with
-// AVX-512, bfloat16 weights widened exactly first; a 16-lane scalar loop elsewhere), then a fixed
+// AVX-512 or as two 8-lane halves with AVX2, the same bits; bfloat16 weights widened exactly first;
+// a 16-lane scalar loop elsewhere), then a fixed
 // reduction. So row m of the output is bit-identical to the output for x[m:m+1] alone (batch
 // invariance): a tree verification rounds like a plain step through these layers, which a library
 // GEMM (its blocking and kernels change with M) does not promise.
@@ -256,26 +257,215 @@ void linear_avx512(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
       block<T, 1>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
 }
 
+// The AVX2 + FMA path (x86 CPUs without AVX-512): the same arithmetic as the AVX-512 path, lane
+// for lane. Each 16-lane accumulator is a pair of 8-lane registers (lanes 0..7 and 8..15), every
+// lane sees the same FMAs over the same K indices in the same order, and the 16 lanes are summed
+// in reduce16's order (halves pairwise, 8, 4, 2, 1). So the outputs are bit-identical to the
+// AVX-512 path's (test_linear.py checks it where both run) and batch-invariant like it. With 16
+// vector registers the blocks are smaller: 2 weight rows x 3 input rows for float32 (12
+// accumulator registers), 2 x 2 for bfloat16 (8, with the widened weights beside them).
+__attribute__((target("avx2,fma"), always_inline)) inline float reduce16_avx2(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+// One 16-wide K step of an NB x MB float32 block: each half (lanes 0..7, 8..15) loads its NB
+// weight chunks, then each input chunk against all of them.
+template <int NB, int MB>
+__attribute__((target("avx2,fma"), always_inline)) inline void step_f32_avx2(__m256 (&acc)[NB][MB][2],
+                                                                            const float* const* w_rows,
+                                                                            const float* const* x_rows, int64_t k) {
+  _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+    __m256 w[NB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = _mm256_loadu_ps(w_rows[i] + k + 8 * h);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      const __m256 x = _mm256_loadu_ps(x_rows[j] + k + 8 * h);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(x, w[i], acc[i][j][h]);
+    }
+  }
+}
+
+template <int NB, int MB>
+__attribute__((target("avx2,fma"))) void block_f32_avx2(const Problem<float>& p, int64_t n0, int64_t m0) {
+  __m256 acc[NB][MB][2];
+  const float* wp[NB];
+  const float* xp[MB];
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) wp[i] = p.w + (n0 + i) * p.in;
+  _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) xp[j] = p.x + (m0 + j) * p.in;
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int64_t full = p.in / 16 * 16;
+  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  int64_t k = 0;
+  for (; k < full; k += 16) {
+    if (ahead != 0) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
+    }
+    step_f32_avx2<NB, MB>(acc, wp, xp, k);
+  }
+  if (k < p.in) {  // the tail, copied into zero-filled chunks: adds exact zeros, as the masked loads do
+    const int64_t tail = p.in - k;
+    alignas(32) float wt[NB][16] = {}, xt[MB][16] = {};
+    const float* wr[NB];
+    const float* xr[MB];
+    for (int i = 0; i < NB; ++i) {
+      std::copy(wp[i] + k, wp[i] + k + tail, wt[i]);
+      wr[i] = wt[i];
+    }
+    for (int j = 0; j < MB; ++j) {
+      std::copy(xp[j] + k, xp[j] + k + tail, xt[j]);
+      xr[j] = xt[j];
+    }
+    step_f32_avx2<NB, MB>(acc, wr, xr, 0);
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      float sum = reduce16_avx2(acc[i][j][0], acc[i][j][1]);
+      if (p.bias != nullptr) sum += p.bias[n0 + i];
+      p.y[(m0 + j) * p.out + n0 + i] = sum;
+    }
+}
+
+// bfloat16 weights as block_bf16 widens them: a 32-weight block is two 16-weight halves, each
+// giving its even-indexed elements (lanes 0..7 of the low half, 8..15 of the high half of the
+// AVX-512 path's even vector) and its odd-indexed ones, against x32 in interleave_x's order.
+template <int NB, int MB>
+__attribute__((target("avx2,fma"))) void block_bf16_avx2(const Problem<c10::BFloat16>& p, int64_t n0, int64_t m0) {
+  __m256 acc[NB][MB][2];
+  const uint16_t* wp[NB];
+  const float* xp[MB];
+  const auto* wb = reinterpret_cast<const uint16_t*>(p.w);
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) wp[i] = wb + (n0 + i) * p.in;
+  _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) xp[j] = p.x32 + (m0 + j) * p.in;
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int64_t pairs = p.in / 32 * 32;
+  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t k = 0;
+  for (; k < pairs; k += 32) {
+    if (ahead != 0) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      __m256 even[NB], odd[NB];
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[i] + k + 16 * h));
+        even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        odd[i] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+      }
+      _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+        const __m256 xe = _mm256_loadu_ps(xp[j] + k + 8 * h);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(xe, even[i], acc[i][j][h]);
+        const __m256 xo = _mm256_loadu_ps(xp[j] + k + 16 + 8 * h);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(xo, odd[i], acc[i][j][h]);
+      }
+    }
+  }
+  // the tail of fewer than 32, in plain order 16 at a time (zero-filled past the end)
+  for (; k < p.in; k += 16) {
+    const int64_t len = std::min<int64_t>(16, p.in - k);
+    alignas(32) uint16_t wt[NB][16] = {};
+    alignas(32) float xt[MB][16] = {};
+    for (int i = 0; i < NB; ++i) std::copy(wp[i] + k, wp[i] + k + len, wt[i]);
+    for (int j = 0; j < MB; ++j) std::copy(xp[j] + k, xp[j] + k + len, xt[j]);
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      __m256 w[NB];
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(wt[i] + 8 * h))), 16));
+      _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+        const __m256 x = _mm256_load_ps(xt[j] + 8 * h);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(x, w[i], acc[i][j][h]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      float sum = reduce16_avx2(acc[i][j][0], acc[i][j][1]);
+      if (p.bias != nullptr) sum += p.bias[n0 + i];
+      store(p.y + (m0 + j) * p.out + n0 + i, sum);
+    }
+}
+
+template <typename T, int NB, int MB>
+void block_of_avx2(const Problem<T>& p, int64_t n0, int64_t m0) {
+  if constexpr (std::is_same_v<T, float>) {
+    block_f32_avx2<NB, MB>(p, n0, m0);
+  } else {
+    block_bf16_avx2<NB, MB>(p, n0, m0);
+  }
+}
+
+template <typename T>
+constexpr int kInBlockAvx2 = std::is_same_v<T, float> ? 3 : 2;  // input rows per register block
+
+template <typename T, int NB>
+void block_avx2(const Problem<T>& p, int64_t n0, int64_t m0, int mb) {
+  if constexpr (kInBlockAvx2<T> == 3) {
+    if (mb == 1) return block_of_avx2<T, NB, 1>(p, n0, m0);
+    if (mb == 2) return block_of_avx2<T, NB, 2>(p, n0, m0);
+    return block_of_avx2<T, NB, 3>(p, n0, m0);
+  } else {
+    if (mb == 1) return block_of_avx2<T, NB, 1>(p, n0, m0);
+    return block_of_avx2<T, NB, 2>(p, n0, m0);
+  }
+}
+
+// As linear_avx512: blocks of 2 weight rows (a single row at the end) against blocks of up to 3
+// (float32) or 2 (bfloat16) input rows.
+template <typename T>
+void linear_avx2(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
+  constexpr int nb = 2, mb = kInBlockAvx2<T>;
+  int64_t n = n_begin;
+  for (; n + nb <= n_end; n += nb)
+    for (int64_t m = 0; m < p.rows; m += mb)
+      block_avx2<T, nb>(p, n, m, static_cast<int>(std::min<int64_t>(mb, p.rows - m)));
+  for (; n < n_end; ++n)
+    for (int64_t m = 0; m < p.rows; m += mb)
+      block_avx2<T, 1>(p, n, m, static_cast<int>(std::min<int64_t>(mb, p.rows - m)));
+}
+
 #endif
 
-// Whether this CPU runs the AVX-512 path for a dtype (AVX-512F; BW + VL too for bfloat16),
-// decided once.
-bool vector_path(at::ScalarType dtype) {
+// The implementations of the op: the portable loop, AVX2 + FMA, AVX-512 (F; BW + VL too for
+// bfloat16). The two vector paths give the same bits.
+enum class Path { kGeneric, kAvx2, kAvx512 };
+
+// The fastest path this CPU runs for a dtype, decided once.
+Path best_path(at::ScalarType dtype) {
 #ifdef DARTREE_AVX512_LINEAR
   static const bool f32 = __builtin_cpu_supports("avx512f");
   static const bool bf16 = f32 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  return dtype == at::kBFloat16 ? bf16 : f32;
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (dtype == at::kBFloat16 ? bf16 : f32) return Path::kAvx512;
+  if (avx2) return Path::kAvx2;
+#endif
+  (void)dtype;
+  return Path::kGeneric;
+}
+
+bool has_avx2() {
+#ifdef DARTREE_AVX512_LINEAR
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2;
 #else
   return false;
 #endif
 }
 
 template <typename T>
-void run(const Problem<T>& p, bool vector) {
+void run(const Problem<T>& p, Path path) {
   const int64_t grain = 64;  // weight rows per task
   at::parallel_for(0, p.out, grain, [&](int64_t begin, int64_t end) {
 #ifdef DARTREE_AVX512_LINEAR
-    if (vector) return linear_avx512(p, begin, end);
+    if (path == Path::kAvx512) return linear_avx512(p, begin, end);
+    if (path == Path::kAvx2) return linear_avx2(p, begin, end);
 #endif
     linear_generic(p, begin, end);
   });
@@ -303,8 +493,9 @@ at::Tensor interleave_x(const at::Tensor& flat) {
   return x32;
 }
 
+// `path`: the implementation asked for, or nullopt for the fastest this CPU runs.
 at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               bool vector) {
+                               std::optional<Path> path) {
   constexpr const char* op = "few_rows_linear";
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
@@ -334,41 +525,53 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
   if (rows == 0 || out == 0) return y;
-  vector = vector && vector_path(x.scalar_type());
+  const Path use = path.value_or(best_path(x.scalar_type()));
+  const bool vector = use != Path::kGeneric;
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, vector);
+    run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, use);
   } else {
     using bf16 = c10::BFloat16;
-    // the AVX-512 path reads every 32 inputs as 16 even-indexed, then 16 odd-indexed (block_bf16);
+    // the vector paths read every 32 inputs as 16 even-indexed, then 16 odd-indexed (block_bf16);
     // the portable loop reads x itself
     const at::Tensor x32 = vector ? interleave_x(flat) : at::Tensor();
     run(Problem<bf16>{flat.data_ptr<bf16>(), vector ? x32.data_ptr<float>() : nullptr, weight.data_ptr<bf16>(), b,
                       y.data_ptr<bf16>(), rows, in, out},
-        vector);
+        use);
   }
   return y;
 }
 
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return few_rows_linear_cpu(x, weight, bias, true);
+  return few_rows_linear_cpu(x, weight, bias, std::nullopt);
 }
 
 at::Tensor few_rows_linear_portable(const at::Tensor& x, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias) {
-  return few_rows_linear_cpu(x, weight, bias, false);
+  return few_rows_linear_cpu(x, weight, bias, Path::kGeneric);
+}
+
+// The AVX2 path on any CPU that has AVX2 and FMA, AVX-512 or not (tests compare the two).
+at::Tensor few_rows_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_avx2(), "few_rows_linear_avx2: this CPU (or build) has no AVX2 + FMA");
+  return few_rows_linear_cpu(x, weight, bias, Path::kAvx2);
 }
 
 }  // namespace
 
-// Which path runs for a dtype: "avx512" or "generic" (build_info()["few_rows_linear"]).
+// Which path runs for a dtype: "avx512", "avx2" or "generic" (build_info()["few_rows_linear"]).
 std::string few_rows_linear_path_name(const std::string& dtype) {
-  return vector_path(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat) ? "avx512" : "generic";
+  switch (best_path(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat)) {
+    case Path::kAvx512: return "avx512";
+    case Path::kAvx2: return "avx2";
+    default: return "generic";
+  }
 }
 
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_portable", &few_rows_linear_portable);
+  m.impl("few_rows_linear_avx2", &few_rows_linear_avx2);
 }
 
 }  // namespace dartree

@@ -32,8 +32,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 4  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
-# 4: grouped-query attention without copied keys/values (dartree_ext.attention)
+COST_MODEL_VERSION = 5  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+# 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
+# timed with its context's keys and values kept, as the decoder keeps them
+# (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
@@ -301,9 +303,10 @@ def model_digest(model: torch.nn.Module) -> str:
 def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: torch.device | str,
              nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
-    from .. import __version__
+    from .. import __version__, build_info
     from ..attention import attention_kind
     from ..linear import linear_kind
+    few_rows = linear_kind(target) == "few_rows" or (drafter is not None and linear_kind(drafter) == "few_rows")
     param = next(target.parameters())
     dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
         drafter, "config") and hasattr(drafter.config, "to_dict") else ""
@@ -318,6 +321,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "attention": attention_kind(target),
         **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
+        **({"few_rows_linear": build_info().get("few_rows_linear")} if few_rows else {}),
     }
 
 
@@ -420,10 +424,13 @@ def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: 
     root = torch.randint(0, vocab, (1,), generator=gen).to(device)
     rpos = torch.tensor([ctx], device=device)
     out = None
+    # the decoder keeps each committed slot's drafter keys and values (computed once per slot, when
+    # it is committed), so a round's pass projects only its block: time it so
+    kw = {"context_kv": drafter.context_kv(context, cpos)} if callable(getattr(drafter, "context_kv", None)) else {}
 
     def draft():
         nonlocal out
-        out = drafter(root, rpos, context, cpos, cmask)
+        out = drafter(root, rpos, context, cpos, cmask, **kw)
 
     draft()
     draft_ms = statistics.median(timer(draft) for _ in range(reps))
