@@ -167,10 +167,23 @@ def test_bad_input():
         ops.few_rows_linear(x, w, torch.randn(8, dtype=torch.float64))
 
 
-def test_opcheck():
+@pytest.mark.parametrize("path", PATHS)
+def test_opcheck(path):
     x, w, b = _inputs(5, 24, 12, torch.float32)
-    torch.library.opcheck(torch.ops.dartree_ext.few_rows_linear.default, (x, w, b))
-    torch.library.opcheck(torch.ops.dartree_ext.few_rows_linear.default, (x.bfloat16(), w.bfloat16(), None))
+    torch.library.opcheck(OPS[path].default, (x, w, b))
+    torch.library.opcheck(OPS[path].default, (x.bfloat16(), w.bfloat16(), None))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_input_every_path(path):
+    """Every path shares the op's checks: the same clear errors."""
+    x, w, _ = _inputs(4, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        OPS[path](x, w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="features"):
+        OPS[path](torch.randn(4, 15), w, None)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        OPS[path](torch.randn(257, 16), w, None)
 
 
 def test_build_info_names_the_path():
