@@ -437,19 +437,6 @@ void linear_avx2(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
 // bfloat16). The two vector paths give the same bits.
 enum class Path { kGeneric, kAvx2, kAvx512 };
 
-// The fastest path this CPU runs for a dtype, decided once.
-Path best_path(at::ScalarType dtype) {
-#ifdef DARTREE_AVX512_LINEAR
-  static const bool f32 = __builtin_cpu_supports("avx512f");
-  static const bool bf16 = f32 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (dtype == at::kBFloat16 ? bf16 : f32) return Path::kAvx512;
-  if (avx2) return Path::kAvx2;
-#endif
-  (void)dtype;
-  return Path::kGeneric;
-}
-
 bool has_avx2() {
 #ifdef DARTREE_AVX512_LINEAR
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -457,6 +444,17 @@ bool has_avx2() {
 #else
   return false;
 #endif
+}
+
+// The fastest path this CPU runs for a dtype, decided once.
+Path best_path(at::ScalarType dtype) {
+#ifdef DARTREE_AVX512_LINEAR
+  static const bool f32 = __builtin_cpu_supports("avx512f");
+  static const bool bf16 = f32 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (dtype == at::kBFloat16 ? bf16 : f32) return Path::kAvx512;
+#endif
+  (void)dtype;
+  return has_avx2() ? Path::kAvx2 : Path::kGeneric;
 }
 
 template <typename T>
