@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import time
 
@@ -40,6 +41,7 @@ def op_times(dtype: torch.dtype, rows: list[int], reps: int = 5) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(1536, 576, generator=gen).to(dtype) for _ in range(60)]
     impls = {"torch": lambda x, w: torch.nn.functional.linear(x, w), "few_rows": lambda x, w: ops.few_rows_linear(x, w)}
+    impls.update(_forced_paths(dtype))
     out = []
     for m in rows:
         x = torch.randn(m, 576, generator=gen).to(dtype)
@@ -52,9 +54,25 @@ def op_times(dtype: torch.dtype, rows: list[int], reps: int = 5) -> list[dict]:
                 best[name] = min(best[name], 1e3 * (time.perf_counter() - start))
         out.append({"rows": m, **{f"{k}_ms": round(v, 2) for k, v in best.items()},
                     "ratio": round(best["torch"] / best["few_rows"], 3)})
+        forced = "".join(f"  {k} {v:6.1f} ms" for k, v in best.items() if k not in ("torch", "few_rows"))
+        if "avx512_fma" in best and "avx512_bf16" in best:
+            out[-1]["fma_over_dot"] = round(best["avx512_fma"] / best["avx512_bf16"], 3)
+            forced += f"  fma / dot {best['avx512_fma'] / best['avx512_bf16']:.2f}"
         print(f"  {str(dtype)[6:]:9s} rows {m:3d}: torch {best['torch']:6.1f} ms  few_rows {best['few_rows']:6.1f} ms"
-              f"  torch / few_rows {best['torch'] / best['few_rows']:.2f}", flush=True)
+              f"  torch / few_rows {best['torch'] / best['few_rows']:.2f}{forced}", flush=True)
     return out
+
+
+def _forced_paths(dtype: torch.dtype) -> dict:
+    """bfloat16 on a CPU with AVX-512: the op's FMA path and (with AVX-512 BF16) its VDPBF16PS
+    path, forced, beside the default (which picks between them by rows: docs/ops.md)."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    if dtype != torch.bfloat16 or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return {}
+    paths = {"avx512_fma": torch.ops.dartree_ext.few_rows_linear_avx512}
+    if "avx512_bf16" in flags:
+        paths["avx512_bf16"] = torch.ops.dartree_ext.few_rows_linear_avx512_bf16
+    return {name: (lambda x, w, f=f: f(x, w, None)) for name, f in paths.items()}
 
 
 @torch.no_grad()

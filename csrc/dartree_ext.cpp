@@ -71,6 +71,8 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_portable(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_avx2(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear_avx512(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear_avx512_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

@@ -430,6 +430,16 @@ def _few_rows_linear_avx2_fake(x, weight, bias):
     return _few_rows_linear_fake(x, weight, bias)
 
 
+@torch.library.register_fake("dartree_ext::few_rows_linear_avx512")
+def _few_rows_linear_avx512_fake(x, weight, bias):
+    return _few_rows_linear_fake(x, weight, bias)
+
+
+@torch.library.register_fake("dartree_ext::few_rows_linear_avx512_bf16")
+def _few_rows_linear_avx512_bf16_fake(x, weight, bias):
+    return _few_rows_linear_fake(x, weight, bias)
+
+
 @torch.library.register_fake("dartree_ext::compact_kv_")
 def _compact_kv_fake(keys, values, src_positions, dst_start, lengths):
     _check_same_device("compact_kv_", keys=keys, values=values, src_positions=src_positions, dst_start=dst_start,

@@ -16,10 +16,17 @@ from dartree_ext.loading import tiny_target
 
 _FLAGS = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
 HAS_AVX2 = {"avx2", "fma"} <= _FLAGS
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= _FLAGS
+HAS_DOT = HAS_AVX512 and "avx512_bf16" in _FLAGS   # VDPBF16PS
 OPS = {"fast": torch.ops.dartree_ext.few_rows_linear, "portable": torch.ops.dartree_ext.few_rows_linear_portable}
 if HAS_AVX2:
     OPS["avx2"] = torch.ops.dartree_ext.few_rows_linear_avx2
+if HAS_AVX512:
+    OPS["avx512"] = torch.ops.dartree_ext.few_rows_linear_avx512
+if HAS_DOT:
+    OPS["avx512_bf16"] = torch.ops.dartree_ext.few_rows_linear_avx512_bf16
 PATHS = list(OPS)
+VECTOR_PATHS = [p for p in PATHS if p != "portable"]  # one arithmetic: the same bits (but "fast" may be portable)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -81,46 +88,59 @@ def test_batch_invariant(path, dtype):
 
 
 def test_fast_path_where_the_cpu_has_it():
-    """On a CPU with AVX-512F/BW/VL the build must take the AVX-512 path, else with AVX2 + FMA the
+    """On a CPU with AVX-512F/BW/VL the build must take the AVX-512 path (for bfloat16 the
+    VDPBF16PS one where the CPU has AVX-512 BF16 and it measures faster), else with AVX2 + FMA the
     AVX2 one (else this test is the portable path twice)."""
     flags, info = _FLAGS, dartree_ext.build_info()["few_rows_linear"]
     fallback = "avx2" if HAS_AVX2 else "generic"
     assert info["float32"] == ("avx512" if "avx512f" in flags else fallback)
-    assert info["bfloat16"] == ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else fallback)
+    bf16 = ({"avx512", "avx512_bf16"} if HAS_DOT and os.environ.get("DARTREE_FEW_ROWS_BF16") != "fma"
+            else {"avx512"} if HAS_AVX512 else {fallback})
+    assert info["bfloat16"] in bf16
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 + FMA")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 583, 1539), (13, 1, 3), (6, 33, 1), (5, 47, 9),
-                                      (64, 576, 130), (3, 1536, 576)])
-def test_avx2_path_gives_the_fast_paths_bits(dtype, rows, k, n):
+                                      (64, 576, 130), (3, 1536, 576), (2, 64, 40)])
+def test_vector_paths_give_the_same_bits(dtype, rows, k, n):
     """The AVX2 path runs the AVX-512 path's arithmetic lane for lane (a 16-lane accumulator as two
-    8-lane halves, the same reduction): on an AVX-512 CPU the two agree bit for bit (on an
-    AVX2-only CPU "fast" is the AVX2 path, and this checks it against the op's default)."""
+    8-lane halves, the same reduction), and VDPBF16PS (bfloat16) the same products in the same
+    order: every vector path agrees bit for bit with the op's default, whichever this CPU takes,
+    including its choice for one row (FMAs) against more (VDPBF16PS where it pays)."""
     x, w, b = _inputs(rows, k, n, dtype, seed=rows + 7 * k + n)
     for bias in (b, None):
-        assert torch.equal(OPS["avx2"](x, w, bias), OPS["fast"](x, w, bias))
+        want = OPS["fast"](x, w, bias)
+        for path in VECTOR_PATHS:
+            assert torch.equal(OPS[path](x, w, bias), want), path
+        for m in range(rows):
+            assert torch.equal(OPS["fast"](x[m:m + 1], w, bias), want[m:m + 1]), m
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 + FMA")
-def test_avx2_path_sums_in_the_documented_order():
-    """Each output is 16 lane sums over k = l mod 16 (bfloat16: the even / odd interleave of each
-    32-block, then plain order in the tail), added halves-pairwise: rebuilt here in float32 with
-    fused multiply-adds from float64 products rounded once, which is what an FMA does."""
+@pytest.mark.parametrize("path", [p for p in ("avx2", "avx512", "avx512_bf16") if p in OPS])
+def test_vector_paths_sum_in_the_documented_order(path):
+    """Each output is 16 lane sums over k = l mod 16 (bfloat16: within each 32-block lane l takes
+    input 2l + 1, then 2l, VDPBF16PS's order; then plain order in the tail), added halves-pairwise:
+    rebuilt here in float32 with fused multiply-adds from float64 products rounded once, which is
+    what an FMA does (and what VDPBF16PS does with each of its two products)."""
     gen = torch.Generator().manual_seed(11)
-    for dtype, k in ((torch.float32, 37), (torch.float32, 64), (torch.bfloat16, 75), (torch.bfloat16, 64)):
+    for dtype, k in ((torch.float32, 37), (torch.float32, 64), (torch.bfloat16, 75), (torch.bfloat16, 64),
+                     (torch.bfloat16, 50)):
         x = torch.randn(3, k, generator=gen).to(dtype)
         w = torch.randn(2, k, generator=gen).to(dtype)
-        got = OPS["avx2"](x, w, None).float()
+        got = OPS[path](x, w, None).float()
+        order = list(range(k))
         if dtype == torch.bfloat16:   # lane of input index i: interleaved 32-blocks, then plain
             pairs = k // 32 * 32
             lane = [((i % 32) // 2 if i < pairs else i % 16) for i in range(k)]
+            order = [i ^ 1 if i < pairs else i for i in range(k)]   # each pair: odd, then even
         else:
             lane = [i % 16 for i in range(k)]
         for m in range(3):
             for n in range(2):
                 acc = [0.0] * 16
-                for i in range(k):   # k order within each lane; an FMA rounds acc + x * w once
+                for i in order:   # this order within each lane; an FMA rounds acc + x * w once
                     prod = float(x[m, i].double() * w[n, i].double())
                     acc[lane[i]] = float(torch.tensor(acc[lane[i]] + prod, dtype=torch.float64).float())
                 v = torch.tensor(acc, dtype=torch.float32)
@@ -188,7 +208,29 @@ def test_bad_input_every_path(path):
 
 def test_build_info_names_the_path():
     info = dartree_ext.build_info()["few_rows_linear"]
-    assert set(info) == {"float32", "bfloat16"} and set(info.values()) <= {"avx512", "avx2", "generic"}
+    assert set(info) == {"float32", "bfloat16"} and set(info.values()) <= {"avx512", "avx512_bf16", "avx2", "generic"}
+    assert info["float32"] != "avx512_bf16"
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512")
+def test_bf16_path_choice_from_the_environment():
+    """DARTREE_FEW_ROWS_BF16 picks FMAs or VDPBF16PS for bfloat16 (read once per process); a bad
+    value is a clear error at the first bfloat16 call."""
+    import subprocess
+    import sys
+    code = ("import torch, dartree_ext; from dartree_ext import ops; "
+            "ops.few_rows_linear(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(3, 8, dtype=torch.bfloat16)); "
+            "print(dartree_ext.build_info()['few_rows_linear']['bfloat16'])")
+
+    def run(value):
+        env = dict(os.environ, DARTREE_FEW_ROWS_BF16=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    assert run("fma").stdout.split()[-1] == "avx512"
+    if HAS_DOT:
+        assert run("dot").stdout.split()[-1] == "avx512_bf16"
+    bad = run("fast")
+    assert bad.returncode != 0 and "DARTREE_FEW_ROWS_BF16 must be dot, fma or auto" in bad.stderr
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,6 +16,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -145,13 +147,52 @@ __attribute__((target("avx512f"))) void block_f32(const Problem<float>& p, int64
 // word's low half cleared). x32 holds every 32 inputs in the same order (16 even, then 16 odd:
 // `interleave_x`), so both vectors meet their inputs with no shuffle. That halves the widening
 // work of a 16-element zero-extend + shift, which competes with the FMAs for the same ports. A K
-// tail of fewer than 32 is widened 16 at a time, masked. (VDPBF16PS, two bf16 products a lane,
-// measured 10-15% slower on a 2-vCPU Xeon with AVX-512 BF16, where it issues at half the FMA
-// rate; this path needs only AVX-512F/BW.)
+// tail of fewer than 32 is widened 16 at a time, masked. Each lane takes the odd-indexed product
+// first, then the even one: the order of VDPBF16PS (block_bf16_dot), so the two give the same bits.
 #define DARTREE_WIDEN_BF16(ptr) \
   _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ptr))), 16))
 #define DARTREE_WIDEN_BF16_MASKED(ptr) \
   _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, ptr)), 16))
+// x as block_bf16 reads it (float32) or as block_bf16_dot does (bfloat16, widened exactly here)
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load_x16(const float* x) {
+  return _mm512_loadu_ps(x);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load_x16(const uint16_t* x) {
+  return DARTREE_WIDEN_BF16(x);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load_x16(const float* x,
+                                                                                           __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, x);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load_x16(const uint16_t* x,
+                                                                                           __mmask16 mask) {
+  return DARTREE_WIDEN_BF16_MASKED(x);
+}
+
+// The bfloat16 K tail past the last full 32-block, from k: plain order, 16 at a time (the last
+// masked), weights widened exactly; the same for the FMA and the VDPBF16PS paths.
+template <int NB, int MB, typename X>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void bf16_tail(
+    __m512 (&acc)[NB][MB], const uint16_t* const* wp, const X* const* xp, int64_t k, int64_t in) {
+  for (; k + 16 <= in; k += 16) {  // at most one: the tail of 16..31
+    __m512 w[NB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16(wp[i] + k);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      const __m512 x = load_x16(xp[j] + k);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(x, w[i], acc[i][j]);
+    }
+  }
+  if (k < in) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1);
+    __m512 w[NB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16_MASKED(wp[i] + k);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      const __m512 x = load_x16(xp[j] + k, mask);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(x, w[i], acc[i][j]);
+    }
+  }
+}
+
 template <int NB, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Problem<c10::BFloat16>& p, int64_t n0,
                                                                          int64_t m0) {
@@ -164,7 +205,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  const int64_t full = p.in / 16 * 16;
   const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t k = 0;
@@ -179,30 +219,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
       even[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
       odd[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
     }
-    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
-      const __m512 xe = _mm512_loadu_ps(xp[j] + k);
-      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(xe, even[i], acc[i][j]);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {  // odd first: VDPBF16PS's order (block_bf16_dot)
       const __m512 xo = _mm512_loadu_ps(xp[j] + k + 16);
       _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(xo, odd[i], acc[i][j]);
+      const __m512 xe = _mm512_loadu_ps(xp[j] + k);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(xe, even[i], acc[i][j]);
     }
   }
-  for (; k < full; k += 16) {  // at most one: the tail of 16..31
-    __m512 w[NB];
-    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16(wp[i] + k);
-    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
-      const __m512 x = _mm512_loadu_ps(xp[j] + k);
-      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(x, w[i], acc[i][j]);
-    }
-  }
-  if (k < p.in) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (p.in - k)) - 1);
-    __m512 w[NB];
-    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = DARTREE_WIDEN_BF16_MASKED(wp[i] + k);
-    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
-      const __m512 x = _mm512_maskz_loadu_ps(mask, xp[j] + k);
-      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(x, w[i], acc[i][j]);
-    }
-  }
+  bf16_tail<NB, MB>(acc, wp, xp, k, p.in);
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
       float sum = reduce16(acc[i][j]);
@@ -210,6 +234,85 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
       store(p.y + (m0 + j) * p.out + n0 + i, sum);
     }
 }
+// The same arithmetic with AVX-512 BF16's VDPBF16PS, where it runs faster than the FMAs above
+// (dot_path_pays): one instruction takes 32 bfloat16 weights against 32 bfloat16 inputs as they
+// are (no widening, and x is read as bfloat16, not widened once per call), and adds to each
+// float32 lane its odd-indexed product, rounded, then its even-indexed one, rounded (Intel's
+// definition; each product of two bfloat16 values is exact in float32). That is block_bf16's FMA
+// pair lane for lane, so both give the same bits, except that VDPBF16PS treats subnormal inputs
+// and results as zero (a product below 2^-126, which a model's weights and activations do not
+// reach in practice). A K tail of fewer than 32 is widened and FMA'd exactly as block_bf16 does.
+template <int NB, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_bf16_dot(
+    const Problem<c10::BFloat16>& p, int64_t n0, int64_t m0) {
+  __m512 acc[NB][MB];
+  const uint16_t* wp[NB];
+  const uint16_t* xp[MB];
+  const auto* wb = reinterpret_cast<const uint16_t*>(p.w);
+  const auto* xb = reinterpret_cast<const uint16_t*>(p.x);
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) wp[i] = wb + (n0 + i) * p.in;
+  _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) xp[j] = xb + (m0 + j) * p.in;
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t pairs = p.in / 32 * 32;
+  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  int64_t k = 0;
+  for (; k < pairs; k += 32) {
+    __m512bh w[NB];
+    if (ahead != 0) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[i] + ahead + k), _MM_HINT_T0);
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) w[i] = (__m512bh)_mm512_loadu_si512(wp[i] + k);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(xp[j] + k);
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, w[i]);
+    }
+  }
+  bf16_tail<NB, MB>(acc, wp, xp, k, p.in);
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+      float sum = reduce16(acc[i][j]);
+      if (p.bias != nullptr) sum += p.bias[n0 + i];
+      store(p.y + (m0 + j) * p.out + n0 + i, sum);
+    }
+}
+
+// Whether VDPBF16PS adds more products per second than float32 FMAs on this CPU, measured once: 8
+// independent chains of each, best of 3 interleaved timings. It does by about 1.7x on a 2-vCPU AMD
+// EPYC (Zen 4); on a Xeon with AVX-512 BF16 it issues at half the FMA rate, where the FMA path
+// measured 10-15% faster. Both give the same bits, so only the speed depends on the answer.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) double dot_chain_seconds(bool dot) {
+  __m512 acc[8];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512i one = _mm512_set1_epi32(0x3f803f80);  // bfloat16 1.0 twice
+  const __m512 unit = _mm512_set1_ps(1.0f), step = _mm512_set1_ps(1e-3f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < 4096; ++r) {
+    if (dot) {
+      for (auto& a : acc) a = _mm512_dpbf16_ps(a, (__m512bh)one, (__m512bh)one);
+    } else {
+      for (auto& a : acc) a = _mm512_fmadd_ps(a, unit, step);
+    }
+    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[7]));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float sink[16];
+  _mm512_storeu_ps(sink, _mm512_add_ps(acc[0], acc[7]));
+  __asm__ volatile("" : : "r"(sink) : "memory");
+  return seconds;
+}
+
+bool dot_path_pays() {
+  double dot = 1e9, fma = 1e9;
+  for (int r = 0; r < 3; ++r) {
+    fma = std::min(fma, dot_chain_seconds(false));
+    dot = std::min(dot, dot_chain_seconds(true));
+  }
+  // products per second: 32 per VDPBF16PS, 16 per FMA; take it only for a clear gain
+  return 32.0 / dot > 1.25 * (16.0 / fma);
+}
+
 #undef DARTREE_WIDEN_BF16
 #undef DARTREE_WIDEN_BF16_MASKED
 #undef DARTREE_LINEAR_STEP
@@ -221,40 +324,43 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
 constexpr int kRowBlock = 4;  // weight rows per register block
 constexpr int kInBlock = 6;   // input rows per register block
 
-template <typename T, int NB, int MB>
+// Dot: bfloat16 through VDPBF16PS (block_bf16_dot) instead of FMAs (block_bf16); the same bits.
+template <typename T, int NB, int MB, bool Dot>
 void block_of(const Problem<T>& p, int64_t n0, int64_t m0) {
   if constexpr (std::is_same_v<T, float>) {
     block_f32<NB, MB>(p, n0, m0);
+  } else if constexpr (Dot) {
+    block_bf16_dot<NB, MB>(p, n0, m0);
   } else {
     block_bf16<NB, MB>(p, n0, m0);
   }
 }
 
-template <typename T, int NB>
+template <typename T, int NB, bool Dot>
 void block(const Problem<T>& p, int64_t n0, int64_t m0, int mb) {
   static_assert(kInBlock == 6, "the cases below go up to kInBlock");
   switch (mb) {
-    case 1: return block_of<T, NB, 1>(p, n0, m0);
-    case 2: return block_of<T, NB, 2>(p, n0, m0);
-    case 3: return block_of<T, NB, 3>(p, n0, m0);
-    case 4: return block_of<T, NB, 4>(p, n0, m0);
-    case 5: return block_of<T, NB, 5>(p, n0, m0);
-    default: return block_of<T, NB, 6>(p, n0, m0);
+    case 1: return block_of<T, NB, 1, Dot>(p, n0, m0);
+    case 2: return block_of<T, NB, 2, Dot>(p, n0, m0);
+    case 3: return block_of<T, NB, 3, Dot>(p, n0, m0);
+    case 4: return block_of<T, NB, 4, Dot>(p, n0, m0);
+    case 5: return block_of<T, NB, 5, Dot>(p, n0, m0);
+    default: return block_of<T, NB, 6, Dot>(p, n0, m0);
   }
 }
 
 // Weight rows [n_begin, n_end): blocks of 4 rows (single rows at the end) against blocks of up to
 // 6 input rows. Which block an element falls in changes only how many accumulators run side by
 // side, never the operations on one accumulator.
-template <typename T>
+template <typename T, bool Dot = false>
 void linear_avx512(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   for (; n + kRowBlock <= n_end; n += kRowBlock)
     for (int64_t m = 0; m < p.rows; m += kInBlock)
-      block<T, kRowBlock>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
+      block<T, kRowBlock, Dot>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
   for (; n < n_end; ++n)
     for (int64_t m = 0; m < p.rows; m += kInBlock)
-      block<T, 1>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
+      block<T, 1, Dot>(p, n, m, static_cast<int>(std::min<int64_t>(kInBlock, p.rows - m)));
 }
 
 // The AVX2 + FMA path (x86 CPUs without AVX-512): the same arithmetic as the AVX-512 path, lane
@@ -359,11 +465,11 @@ __attribute__((target("avx2,fma"))) void block_bf16_avx2(const Problem<c10::BFlo
         even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
         odd[i] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
       }
-      _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
-        const __m256 xe = _mm256_loadu_ps(xp[j] + k + 8 * h);
-        _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(xe, even[i], acc[i][j][h]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {  // odd first, as block_bf16
         const __m256 xo = _mm256_loadu_ps(xp[j] + k + 16 + 8 * h);
         _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(xo, odd[i], acc[i][j][h]);
+        const __m256 xe = _mm256_loadu_ps(xp[j] + k + 8 * h);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) acc[i][j][h] = _mm256_fmadd_ps(xe, even[i], acc[i][j][h]);
       }
     }
   }
@@ -435,7 +541,7 @@ void linear_avx2(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
 
 // The implementations of the op: the portable loop, AVX2 + FMA, AVX-512 (F; BW + VL too for
 // bfloat16). The two vector paths give the same bits.
-enum class Path { kGeneric, kAvx2, kAvx512 };
+enum class Path { kGeneric, kAvx2, kAvx512, kAvx512Dot };
 
 bool has_avx2() {
 #ifdef DARTREE_AVX512_LINEAR
@@ -446,11 +552,47 @@ bool has_avx2() {
 #endif
 }
 
-// The fastest path this CPU runs for a dtype, decided once.
-Path best_path(at::ScalarType dtype) {
+bool has_avx512_bf16() {
+#ifdef DARTREE_AVX512_LINEAR
+  static const bool dot = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return dot;
+#else
+  return false;
+#endif
+}
+
+// bfloat16 through VDPBF16PS where it pays (dot_path_pays, measured once); DARTREE_FEW_ROWS_BF16=dot
+// or =fma decides instead (for A/B timings: the two give the same bits).
+bool dot_wanted() {
+#ifdef DARTREE_AVX512_LINEAR
+  static const bool wanted = [] {
+    const char* env = std::getenv("DARTREE_FEW_ROWS_BF16");
+    const std::string choice = env == nullptr ? "" : env;
+    if (choice == "dot") return true;
+    if (choice == "fma") return false;
+    TORCH_CHECK(choice.empty() || choice == "auto", "DARTREE_FEW_ROWS_BF16 must be dot, fma or auto, got '", choice,
+                "'");
+    return dot_path_pays();
+  }();
+  return wanted;
+#else
+  return false;
+#endif
+}
+
+// The fastest path this CPU runs for a dtype, decided once. VDPBF16PS only past one block of
+// input rows (kInBlock): up to 6 rows the op streams the weights from memory at the same speed
+// either way (a plain step's single row measured 2-9% faster with the FMAs on a Zen 4 EPYC), past
+// them it is compute-bound and VDPBF16PS 1.2-1.9x faster. The two give the same bits, so choosing
+// by rows keeps batch invariance.
+constexpr int64_t kDotMinRows = 7;
+
+Path best_path(at::ScalarType dtype, int64_t rows = kDotMinRows) {
 #ifdef DARTREE_AVX512_LINEAR
   static const bool f32 = __builtin_cpu_supports("avx512f");
   static const bool bf16 = f32 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (dtype == at::kBFloat16 && rows >= kDotMinRows && has_avx512_bf16() && dot_wanted()) return Path::kAvx512Dot;
   if (dtype == at::kBFloat16 ? bf16 : f32) return Path::kAvx512;
 #endif
   (void)dtype;
@@ -463,6 +605,7 @@ void run(const Problem<T>& p, Path path) {
   at::parallel_for(0, p.out, grain, [&](int64_t begin, int64_t end) {
 #ifdef DARTREE_AVX512_LINEAR
     if (path == Path::kAvx512) return linear_avx512(p, begin, end);
+    if (path == Path::kAvx512Dot) return linear_avx512<T, true>(p, begin, end);
     if (path == Path::kAvx2) return linear_avx2(p, begin, end);
 #endif
     linear_generic(p, begin, end);
@@ -523,8 +666,8 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
   if (rows == 0 || out == 0) return y;
-  const Path use = path.value_or(best_path(x.scalar_type()));
-  const bool vector = use != Path::kGeneric;
+  const Path use = path.value_or(best_path(x.scalar_type(), rows));
+  const bool vector = use == Path::kAvx2 || use == Path::kAvx512;  // the FMA paths read x widened
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
     run(Problem<float>{flat.data_ptr<float>(), nullptr, weight.data_ptr<float>(), b, y.data_ptr<float>(), rows, in, out}, use);
@@ -550,6 +693,22 @@ at::Tensor few_rows_linear_portable(const at::Tensor& x, const at::Tensor& weigh
 }
 
 // The AVX2 path on any CPU that has AVX2 and FMA, AVX-512 or not (tests compare the two).
+// The AVX-512 FMA path on a CPU that has it, whatever the default (tests and bench/forward_speed.py
+// compare it with VDPBF16PS).
+at::Tensor few_rows_linear_avx512(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(best_path(x.scalar_type(), 1) == Path::kAvx512, "few_rows_linear_avx512: this CPU (or build) has no ",
+              x.scalar_type() == at::kBFloat16 ? "AVX-512F/BW/VL" : "AVX-512F");
+  return few_rows_linear_cpu(x, weight, bias, Path::kAvx512);
+}
+
+// VDPBF16PS for bfloat16 on any CPU with AVX-512 BF16, paying or not (tests compare it with the
+// FMA paths); float32 takes the AVX-512 path.
+at::Tensor few_rows_linear_avx512_bf16(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_avx512_bf16(), "few_rows_linear_avx512_bf16: this CPU (or build) has no AVX-512 BF16");
+  return few_rows_linear_cpu(x, weight, bias, x.scalar_type() == at::kBFloat16 ? Path::kAvx512Dot : Path::kAvx512);
+}
+
 at::Tensor few_rows_linear_avx2(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_avx2(), "few_rows_linear_avx2: this CPU (or build) has no AVX2 + FMA");
   return few_rows_linear_cpu(x, weight, bias, Path::kAvx2);
@@ -561,6 +720,7 @@ at::Tensor few_rows_linear_avx2(const at::Tensor& x, const at::Tensor& weight, c
 std::string few_rows_linear_path_name(const std::string& dtype) {
   switch (best_path(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat)) {
     case Path::kAvx512: return "avx512";
+    case Path::kAvx512Dot: return "avx512_bf16";
     case Path::kAvx2: return "avx2";
     default: return "generic";
   }
@@ -570,6 +730,8 @@ TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_portable", &few_rows_linear_portable);
   m.impl("few_rows_linear_avx2", &few_rows_linear_avx2);
+  m.impl("few_rows_linear_avx512", &few_rows_linear_avx512);
+  m.impl("few_rows_linear_avx512_bf16", &few_rows_linear_avx512_bf16);
 }
 
 }  // namespace dartree
