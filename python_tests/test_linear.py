@@ -213,7 +213,7 @@ def test_build_info_names_the_path():
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512")
-def test_bf16_path_choice_from_the_environment():
+def test_bf16_path_choice_from_the_environment(tmp_path):
     """DARTREE_FEW_ROWS_BF16 picks FMAs or VDPBF16PS for bfloat16 (read once per process); a bad
     value is a clear error at the first bfloat16 call."""
     import subprocess
@@ -222,13 +222,16 @@ def test_bf16_path_choice_from_the_environment():
             "ops.few_rows_linear(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(3, 8, dtype=torch.bfloat16)); "
             "print(dartree_ext.build_info()['few_rows_linear']['bfloat16'])")
 
-    def run(value):
+    def run(value):  # -P, elsewhere: the installed package, not the source tree (which has no _C when installed)
         env = dict(os.environ, DARTREE_FEW_ROWS_BF16=value)
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
 
-    assert run("fma").stdout.split()[-1] == "avx512"
+    fma = run("fma")
+    assert fma.returncode == 0 and fma.stdout.split()[-1] == "avx512", fma.stderr
     if HAS_DOT:
-        assert run("dot").stdout.split()[-1] == "avx512_bf16"
+        dot = run("dot")
+        assert dot.returncode == 0 and dot.stdout.split()[-1] == "avx512_bf16", dot.stderr
     bad = run("fast")
     assert bad.returncode != 0 and "DARTREE_FEW_ROWS_BF16 must be dot, fma or auto" in bad.stderr
 
