@@ -420,24 +420,9 @@ def _few_rows_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.register_fake("dartree_ext::few_rows_linear_portable")
-def _few_rows_linear_portable_fake(x, weight, bias):
-    return _few_rows_linear_fake(x, weight, bias)
-
-
-@torch.library.register_fake("dartree_ext::few_rows_linear_avx2")
-def _few_rows_linear_avx2_fake(x, weight, bias):
-    return _few_rows_linear_fake(x, weight, bias)
-
-
-@torch.library.register_fake("dartree_ext::few_rows_linear_avx512")
-def _few_rows_linear_avx512_fake(x, weight, bias):
-    return _few_rows_linear_fake(x, weight, bias)
-
-
-@torch.library.register_fake("dartree_ext::few_rows_linear_avx512_bf16")
-def _few_rows_linear_avx512_bf16_fake(x, weight, bias):
-    return _few_rows_linear_fake(x, weight, bias)
+# the ops that force one path of few_rows_linear (tests, bench/forward_speed.py): the same shapes
+for _path in ("portable", "avx2", "avx512", "avx512_bf16"):
+    torch.library.register_fake(f"dartree_ext::few_rows_linear_{_path}")(_few_rows_linear_fake)
 
 
 @torch.library.register_fake("dartree_ext::compact_kv_")
