@@ -53,7 +53,7 @@ class Params:
     depth_bonus: float = -0.2
     early_exit: float | str | None = None  # the verification head's threshold p (None: no early exit); "oracle":
                                            # eagle3_vh stops at the true first rejection (T = 0, ar's outputs)
-    estimator: str = "score"            # budget="auto": node acceptance from "score" or "vh"
+    estimator: str = "score"            # budget="auto": node acceptance from "score", "adaptive" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
     attention: str = "packed"           # the target's attention: "packed" (dartree_ext.attention) or "sdpa"
 

@@ -129,8 +129,9 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
     parser.add_argument("--early-exit", type=early_exit_arg, default=None, metavar="P",
                         help="draft only up to the verification head's predicted first rejection (threshold P; "
                              "default none)")
-    parser.add_argument("--estimator", default="score", choices=["score", "vh"],
-                        help="budget auto: node acceptance from calibrated tree scores or the verification head")
+    parser.add_argument("--estimator", default="score", choices=["score", "adaptive", "vh"],
+                        help="budget auto: node acceptance from calibrated tree scores (adaptive: scaled to the call's recent "
+                             "rounds) or the verification head")
     parser.add_argument("--lookup", type=int, default=None, metavar="L",
                         help="add up to L tokens copied from the request's own context (what followed the latest "
                              "earlier occurrence of its last tokens) to every round's tree; 0: off. Default: "

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
-from dartree_ext.decoding.cost import AcceptanceCalibrator, CostModel, choose_size  # noqa: E402
+from dartree_ext.decoding.cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, choose_size  # noqa: E402
 from dartree_ext.decoding.decoder import AUTO_METHODS, PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
@@ -109,6 +109,57 @@ def test_chooser_batch_and_bad_input():
         choose_size([1.0, 2.0], cost)
 
 
+def _isotonic_reference(values, weights):
+    """The non-decreasing least-squares fit by its min-max formula:
+    f(i) = max over k <= i of min over l >= i of the weighted mean of values[k..l]."""
+    def mean(k, l):
+        return sum(v * w for v, w in zip(values[k:l + 1], weights[k:l + 1])) / sum(weights[k:l + 1])
+    n = len(values)
+    return [max(min(mean(k, l) for l in range(i, n)) for k in range(i + 1)) for i in range(n)]
+
+
+def test_isotonic_fit():
+    assert costmod.isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert costmod.isotonic([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
+    assert costmod.isotonic([3.0, 1.0, 2.0], increasing=False) == [3.0, 1.5, 1.5]
+    assert costmod.isotonic([]) == []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        values = torch.randn(n, generator=gen).tolist()
+        weights = (torch.rand(n, generator=gen) + 0.1).tolist()
+        got = costmod.isotonic(values, weights)
+        assert got == pytest.approx(_isotonic_reference(values, weights), abs=1e-9)
+        assert all(b >= a - 1e-12 for a, b in zip(got, got[1:]))
+        down = costmod.isotonic(values, weights, increasing=False)
+        assert down == pytest.approx([-v for v in _isotonic_reference([-v for v in values], weights)], abs=1e-9)
+    with pytest.raises(ValueError, match="weights"):
+        costmod.isotonic([1.0, 2.0], [1.0])
+
+
+def test_measured_curve_keeps_the_fastest_repetition_and_pools_noise(cache_dir, monkeypatch):
+    """Each point is the fastest of its repetitions (noise only adds time), and a point that is still
+    slow is pooled with its neighbours, not carried up the rest of the curve."""
+    target = tiny_target("llama")
+    plan = {0: [10.0, 14.0, 10.0], 1: [15.0, 11.0, 19.0], 2: [10.5, 10.6, 30.0], 4: [12.0, 12.0, 12.0]}
+    # _verify_curves times every point in turn, once untimed (99) and then once per repetition
+    served = iter([99.0] * len(plan) + [plan[n][rep] for rep in range(3) for n in sorted(plan)])
+
+    class Timer:
+        def __init__(self, device):
+            pass
+
+        def __call__(self, fn):
+            fn()
+            return next(served)
+
+    monkeypatch.setattr(costmod, "_Timer", Timer)
+    cost = costmod.measure_cost_model(target, None, nodes=[0, 1, 2, 4], contexts=[8], reps=3)
+    # fastest: 10, 11, 10.5, 12 -> 11 and 10.5 pooled; the median with a running maximum
+    # would give 10, 15, 15, 15
+    assert cost.verify_ms[0] == pytest.approx([10.0, 10.75, 10.75, 12.0])
+
+
 # the calibrator ---------------------------------------------------------------------------------
 def test_calibrator_learns_and_stays_monotone():
     cal = AcceptanceCalibrator()
@@ -132,6 +183,53 @@ def test_calibrator_bad_bins():
         AcceptanceCalibrator(bins=(0.5, -1.0))
     with pytest.raises(ValueError, match="prior_weight"):
         AcceptanceCalibrator(prior_weight=0)
+
+
+def _level_rounds(level, true_factor, rounds, gen):
+    """Rounds of 40 nodes at depths 1-4, calibrated p in [0.2, 0.9], each accepted with
+    probability p * true_factor**depth."""
+    for _ in range(rounds):
+        depths = torch.randint(1, 5, (40,), generator=gen)
+        p = 0.2 + 0.7 * torch.rand(40, generator=gen)
+        truth = (p * true_factor ** depths.double()).clamp(max=1.0)
+        level.update(p, depths, torch.rand(40, generator=gen, dtype=torch.float64) < truth)
+
+
+def test_acceptance_level_fits_the_factor():
+    gen = torch.Generator().manual_seed(0)
+    level = AcceptanceLevel(decay=0.99)
+    assert level.factor == 1.0
+    p, d = torch.tensor([0.5, 0.5, 0.99]), torch.tensor([1, 2, 3])
+    assert torch.equal(level.scale(p, d), p)                   # no evidence: the calibration as it is
+    _level_rounds(level, 0.6, 200, gen)
+    assert level.factor == pytest.approx(0.6, abs=0.05)
+    assert level.scale(p, d)[:2].tolist() == pytest.approx([0.5 * level.factor, 0.5 * level.factor ** 2], rel=1e-5)
+    # by hand: one depth-1 node of p = 0.5 missed, prior 2 -> 0.5 g + 2 g = 2, g = 0.8
+    one = AcceptanceLevel(prior=2.0)
+    one.update(torch.tensor([0.5]), torch.tensor([1]), torch.tensor([False]))
+    assert one.factor == pytest.approx(0.8, abs=1e-6)
+    # bounds and the cap on probabilities
+    good = AcceptanceLevel(bounds=(0.5, 1.5))  # 40 depth-1 nodes of p = 0.2, all accepted: g = 42 / 10 without bounds
+    good.update(torch.full((40,), 0.2), torch.ones(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool))
+    assert good.factor == 1.5 and float(good.scale(torch.tensor([0.9]), torch.tensor([2]))) == pytest.approx(good.p_max)
+
+
+def test_acceptance_level_forgets_a_hard_start():
+    gen = torch.Generator().manual_seed(1)
+    level = AcceptanceLevel()  # the decoder's default decay
+    _level_rounds(level, 0.3, 10, gen)
+    assert level.factor < 0.5
+    _level_rounds(level, 1.0, 15, gen)
+    assert level.factor == pytest.approx(1.0, abs=0.12)
+
+
+def test_acceptance_level_bad_input():
+    for kw, match in [({"decay": 1.0}, "decay"), ({"prior": 0.0}, "prior"), ({"bounds": (1.2, 2.0)}, "bounds"),
+                      ({"p_max": 0.0}, "p_max")]:
+        with pytest.raises(ValueError, match=match):
+            AcceptanceLevel(**kw)
+    with pytest.raises(ValueError, match="depths"):
+        AcceptanceLevel().update(torch.tensor([0.5]), torch.tensor([0]), torch.tensor([True]))
 
 
 # measuring and the cache ------------------------------------------------------------------------

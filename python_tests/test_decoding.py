@@ -348,15 +348,19 @@ def test_vh_estimator_expected_accepted_by_hand(setup):
     assert torch.allclose(e, torch.tensor([0.0, p1, p1 + p2, p1 + p2 + p3]), atol=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["vh", "adaptive"])
 @pytest.mark.parametrize("method", ["chain", "dartree"])
-def test_vh_estimator_lossless(setup, method):
+def test_estimators_lossless(setup, method, estimator):
     target, drafter, prompts, refs = setup
     from dartree_ext.decoding.cost import CostModel
     cost = CostModel.from_curve({0: 10.0, 64: 12.0})
     oracle = OracleDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
-    out = check_greedy(SpeculativeDecoder(target, oracle, method, budget="auto", width=4, K=8, max_budget=24,
-                                          cost_model=cost, estimator="vh"), prompts, refs)
+    dec = SpeculativeDecoder(target, oracle, method, budget="auto", width=4, K=8, max_budget=24, cost_model=cost,
+                             estimator=estimator)
+    out = check_greedy(dec, prompts, refs)
     assert out.stats.rounds > 0
+    if estimator == "adaptive":  # the call's level learned from its rounds (the oracle misses a quarter)
+        assert dec._level.factor != 1.0
 
 
 def test_vh_bad_input(setup):

@@ -279,7 +279,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_bf16_
 }
 
 // Whether VDPBF16PS adds more products per second than float32 FMAs on this CPU, measured once: 8
-// independent chains of each, best of 3 interleaved timings. It does by about 1.7x on a 2-vCPU AMD
+// independent chains of 16384 steps each (about 50-100 us), best of 5 interleaved timings, so a
+// preemption or a clock ramp during one timing cannot decide it. It does by about 1.7x on a 2-vCPU AMD
 // EPYC (Zen 4); on a Xeon with AVX-512 BF16 it issues at half the FMA rate, where the FMA path
 // measured 10-15% faster. Both give the same bits, so only the speed depends on the answer.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) double dot_chain_seconds(bool dot) {
@@ -288,7 +289,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) double
   const __m512i one = _mm512_set1_epi32(0x3f803f80);  // bfloat16 1.0 twice
   const __m512 unit = _mm512_set1_ps(1.0f), step = _mm512_set1_ps(1e-3f);
   const auto start = std::chrono::steady_clock::now();
-  for (int r = 0; r < 4096; ++r) {
+  for (int r = 0; r < 16384; ++r) {
     if (dot) {
       for (auto& a : acc) a = _mm512_dpbf16_ps(a, (__m512bh)one, (__m512bh)one);
     } else {
@@ -305,7 +306,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) double
 
 bool dot_path_pays() {
   double dot = 1e9, fma = 1e9;
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 5; ++r) {
     fma = std::min(fma, dot_chain_seconds(false));
     dot = std::min(dot, dot_chain_seconds(true));
   }

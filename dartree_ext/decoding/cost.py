@@ -6,9 +6,10 @@ maximises the ratio; ``n = 0`` is a plain decoding step (no draft: ``1 / t_verif
 
 * :class:`CostModel`: the measured (or user-given) costs. ``verify_ms[i][j]`` is the target
   forward over ``nodes[j] + 1`` tokens after a cache of ``contexts[i]`` tokens;
-  :func:`measure_cost_model` times it on the machine at hand (interleaved repetitions, medians;
-  CUDA events on a GPU) and :func:`cached_cost_model` keeps it on disk, keyed by everything that
-  changes it (model config, dtype, device model, threads, torch and library versions).
+  :func:`measure_cost_model` times it on the machine at hand (interleaved repetitions, the
+  fastest of each point, then a non-decreasing least-squares fit; CUDA events on a GPU) and
+  :func:`cached_cost_model` keeps it on disk, keyed by everything that changes it (model
+  config, dtype, device model, threads, torch and library versions).
 * :class:`AcceptanceCalibrator`: P(node accepted | its tree score), per score bin, learned online
   from the rounds actually verified. ``E[accepted(n)]`` of the best ``n`` nodes (best-first, so
   every prefix is a valid tree) is the sum of their probabilities.
@@ -32,9 +33,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 5  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 6  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
-# timed with its context's keys and values kept, as the decoder keeps them
+# timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
+# each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum)
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -50,6 +52,26 @@ def _check_curve(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:
         raise ValueError(f"{name}: times must be finite and > 0, got {list(ys)}")
     if any(b < a for a, b in zip(ys, ys[1:])):
         raise ValueError(f"{name}: a cost curve must not decrease with more nodes, got {list(ys)} at {list(xs)}")
+
+
+def isotonic(values: Sequence[float], weights: Sequence[float] | None = None,
+             increasing: bool = True) -> list[float]:
+    """The least-squares fit to ``values`` that never decreases (``increasing``) or never
+    increases, each value weighted by ``weights`` (1 each by default): adjacent violators are
+    pooled into their weighted mean."""
+    if weights is None:
+        weights = [1.0] * len(values)
+    if len(weights) != len(values):
+        raise ValueError(f"isotonic: {len(values)} values but {len(weights)} weights")
+    sign = 1.0 if increasing else -1.0
+    blocks: list[list[float]] = []  # [value * sign, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([sign * float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [sign * v for v, _, n in blocks for _ in range(int(n))]
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -213,18 +235,16 @@ class AcceptanceCalibrator:
         return (s[..., None] <= self.edges).sum(-1)
 
     def probabilities(self) -> torch.Tensor:
+        """P(accepted) per bin (best bin first), kept until the counts change."""
+        cached = self.__dict__.get("_probs")
+        if cached is not None and cached[0] is self.hits and cached[1] is self.trials:
+            return cached[2]
         w = self.prior_weight
         p = ((self.hits + w * self.prior.double()) / (self.trials + w)).tolist()
-        weight = (self.trials + w).tolist()
-        # isotonic (non-increasing) fit, weighted by each bin's evidence: pool adjacent violators
-        blocks: list[list[float]] = []  # [value, weight, bins]
-        for v, wt in zip(p, weight):
-            blocks.append([v, wt, 1])
-            while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-                v2, w2, n2 = blocks.pop()
-                v1, w1, n1 = blocks.pop()
-                blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-        return torch.tensor([v for v, _, n in blocks for _ in range(n)], dtype=torch.float32)
+        # non-increasing from the best bin to the worst, each bin weighted by its evidence
+        probs = torch.tensor(isotonic(p, (self.trials + w).tolist(), increasing=False), dtype=torch.float32)
+        self.__dict__["_probs"] = (self.hits, self.trials, probs)
+        return probs
 
     def predict(self, scores: torch.Tensor) -> torch.Tensor:
         """P(accepted) for each score (same shape, float32, CPU)."""
@@ -233,9 +253,9 @@ class AcceptanceCalibrator:
     def update(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
         """``scores`` of the verified draft nodes and whether each was on the accepted path."""
         idx = self.bin_of(scores).reshape(-1)
-        self.trials += torch.bincount(idx, minlength=len(self.trials)).double()
-        self.hits += torch.bincount(idx, weights=accepted.reshape(-1).cpu().double(),
-                                    minlength=len(self.hits)).double()
+        self.trials = self.trials + torch.bincount(idx, minlength=len(self.trials)).double()
+        self.hits = self.hits + torch.bincount(idx, weights=accepted.reshape(-1).cpu().double(),
+                                               minlength=len(self.hits)).double()
 
     def state_dict(self) -> dict:
         return {"bins": self.edges.tolist(), "hits": self.hits.tolist(), "trials": self.trials.tolist()}
@@ -260,6 +280,75 @@ class AcceptanceCalibrator:
             hits, trials = hits * scale, trials * scale
         cal.hits, cal.trials = hits, trials
         return cal
+
+
+class AcceptanceLevel:
+    """How this decoding call's drafts fare against the calibration: one factor ``g`` by which a
+    node's calibrated probability ``p`` at depth ``d`` becomes ``min(p * g**d, p_max)``.
+
+    The calibration is learned over many prompts (and the drafter's saved counts come from
+    training-like ones), so on a prompt unlike them it can be far off: on a haiku the shipped
+    drafter's calibrated trees expected twice the draft tokens that were accepted. ``g`` is fitted
+    to the recent rounds by moments: the expected hits of the nodes seen, ``sum_d S_d g**d``, equal
+    the hits ``H`` (``S_d``: the calibrated probabilities summed over the nodes seen at depth
+    ``d``), both discounted by ``decay`` per round so that a hard stretch is forgotten, plus
+    ``prior`` pseudo-tokens at ``g = 1`` (no evidence: ``g = 1``). A factor per depth step
+    matches how acceptance compounds along a path. ``g`` stays within ``bounds``.
+    """
+
+    def __init__(self, decay: float = 0.8, prior: float = 2.0, bounds: tuple[float, float] = (0.25, 2.0),
+                 p_max: float = 0.98) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if prior <= 0:
+            raise ValueError(f"prior must be > 0, got {prior}")
+        if not 0.0 < bounds[0] <= 1.0 <= bounds[1]:
+            raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
+        if not 0.0 < p_max <= 1.0:
+            raise ValueError(f"p_max must be in (0, 1], got {p_max}")
+        self.decay, self.prior, self.bounds, self.p_max = float(decay), float(prior), bounds, float(p_max)
+        self.expected: list[float] = [0.0]  # S_d, index d (0 unused)
+        self.hits = 0.0
+        self.factor = 1.0
+
+    def update(self, probs: torch.Tensor, depths: torch.Tensor, hits: torch.Tensor) -> None:
+        """One round's evidence: the calibrated probabilities of the nodes it checked, their depths
+        (>= 1) and whether each was accepted."""
+        depths = depths.reshape(-1).long().cpu()
+        if depths.numel() == 0:
+            return
+        if int(depths.min()) < 1:
+            raise ValueError("node depths must be >= 1 (the root is not a draft)")
+        per_depth = torch.bincount(depths, weights=probs.reshape(-1).double().cpu()).tolist()
+        keep = self.decay
+        self.expected = [keep * v for v in self.expected] + [0.0] * max(0, len(per_depth) - len(self.expected))
+        for d, v in enumerate(per_depth):
+            self.expected[d] += v
+        self.hits = keep * self.hits + float(hits.reshape(-1).double().sum())
+        self.factor = self._solve()
+
+    def _solve(self) -> float:
+        target = self.hits + self.prior
+
+        def expected(g: float) -> float:  # increasing in g
+            return self.prior * g + sum(v * g ** d for d, v in enumerate(self.expected) if d)
+
+        lo, hi = self.bounds
+        if expected(lo) >= target:
+            return lo
+        if expected(hi) <= target:
+            return hi
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if expected(mid) < target else (lo, mid)
+        return 0.5 * (lo + hi)
+
+    def scale(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """``min(probs * factor**depths, p_max)`` (``probs`` where the factor is 1)."""
+        if self.factor == 1.0:
+            return probs
+        return (probs * torch.pow(torch.tensor(self.factor, dtype=probs.dtype), depths.to(probs.dtype))).clamp(
+            max=self.p_max)
 
 
 # measuring -------------------------------------------------------------------------------------
@@ -399,10 +488,9 @@ def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
                     samples[n].append(ms)
                 if bar is not None:
                     bar.update(1)
-        row = [statistics.median(samples[n]) for n in nodes]
-        for j in range(1, len(row)):  # measured noise must not make the curve decrease
-            row[j] = max(row[j], row[j - 1])
-        verify.append(row)
+        # noise on a shared machine only adds time: the fastest repetition of each point, then the
+        # non-decreasing fit (a noisy point is pooled with its neighbours, not carried up the curve)
+        verify.append(isotonic([min(samples[n]) for n in nodes]))
     if bar is not None:
         bar.close()
     return verify
@@ -433,14 +521,13 @@ def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: 
         out = drafter(root, rpos, context, cpos, cmask, **kw)
 
     draft()
-    draft_ms = statistics.median(timer(draft) for _ in range(reps))
+    draft_ms = min(timer(draft) for _ in range(reps))
     for method in methods:
         build = (tree_builders or {}).get(method)
         if method == "ar" or build is None:
             continue
         build(out.hidden, out.base_logits, root, out.vocab)
-        tree_ms[method] = statistics.median(
-            timer(lambda: build(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
+        tree_ms[method] = min(timer(lambda: build(out.hidden, out.base_logits, root, out.vocab)) for _ in range(reps))
     return draft_ms, tree_ms
 
 
@@ -454,8 +541,8 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
     vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
     at ``max(nodes)`` nodes; methods without a builder get no tree time). Repetitions are
-    interleaved over the points (the machine's speed drifts) and the median kept; the curve is then
-    made non-decreasing."""
+    interleaved over the points (the machine's speed drifts) and the fastest kept (noise only adds
+    time); the curve is then fitted non-decreasing (:func:`isotonic`)."""
     from ..models.eagle3 import Eagle3Drafter
 
     if isinstance(drafter, Eagle3Drafter):

@@ -38,7 +38,7 @@ from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
-from .cost import AcceptanceCalibrator, CostModel, cached_cost_model, choose_size
+from .cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, cached_cost_model, choose_size
 from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
@@ -58,7 +58,8 @@ RECENT_ROUNDS = 16
 # positions and builds at most this many nodes; the next round grows if the probe's tree paid
 PROBE_DEPTH, PROBE_CAP = 4, 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
-ESTIMATORS = ("score", "vh")  # budget="auto": node acceptance from calibrated scores / the verification head
+ESTIMATORS = ("score", "adaptive", "vh")  # budget="auto": node acceptance from calibrated scores (as they are, or
+# scaled to the call's recent rounds: AcceptanceLevel) / the verification head
 
 
 @dataclasses.dataclass
@@ -439,7 +440,10 @@ class SpeculativeDecoder:
     * ``estimator="vh"`` (with ``budget="auto"``) takes node acceptance probabilities from the
       head instead of the calibrated tree scores: a node at depth d gets ``P_vh(d)`` times its path
       probability relative to the best node at that depth. ``estimator="score"`` (the default)
-      is the calibrated score.
+      is the calibrated score; ``estimator="adaptive"`` is the calibrated score scaled per depth
+      by a factor fitted to the call's recent rounds
+      (:class:`~dartree_ext.decoding.cost.AcceptanceLevel`), for prompts the calibration did not
+      see.
 
     ``lookup=L`` (any method but ``ar``) adds to every round's tree, as one more branch, up to
     ``L`` tokens copied from the request's own context: what followed the latest earlier
@@ -511,6 +515,7 @@ class SpeculativeDecoder:
         self._calibrators: dict[str, AcceptanceCalibrator] = {}
         self.calibrator = calibrator if calibrator is not None else self._calibrator_for("greedy")
         self._skip = self._backoff = 0
+        self._level = AcceptanceLevel()  # estimator="adaptive": reset per generate call
         self._overhead_ms = None
         self._recent_depths: list[int] = []
         self._recent_sizes: list[int] = []
@@ -597,6 +602,8 @@ class SpeculativeDecoder:
         if accept_prob is None:
             scores = scores.cpu()
             p = torch.where(scores > float("-inf"), self.calibrator.predict(scores), 0.0)
+            if self.estimator == "adaptive":
+                p = self._level.scale(p, tree.depths[:, 1:].cpu().clamp(min=0))
         else:  # on the tree's device, then one transfer
             depth = tree.depths[:, 1:].long().clamp(min=0)
             best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
@@ -710,6 +717,7 @@ class SpeculativeDecoder:
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self._skip = self._backoff = 0
         self._recent_depths, self._recent_sizes = [], []
+        self._level = AcceptanceLevel()
         run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
                    dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator))
         state = self._prefill(run, prompts)
@@ -1057,7 +1065,7 @@ class SpeculativeDecoder:
         path = accept_nodes.long()
         hit.scatter_(1, path.clamp(min=0), path >= 0)
         hit[:, 0] = False
-        self.calibrator.update(tree.scores[valid], hit[valid])
+        self._learn(tree.scores[valid], tree.depths[valid], hit[valid])
 
     def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
         """A round that verified no draft still tells which depth-1 nodes were right (the
@@ -1066,7 +1074,14 @@ class SpeculativeDecoder:
                                         < tree.num_nodes[:, None])
         first[:, 0] = False
         hit = first & (tree.tokens == target_first[:, None])
-        self.calibrator.update(tree.scores[first], hit[first])
+        self._learn(tree.scores[first], tree.depths[first], hit[first])
+
+    def _learn(self, scores: torch.Tensor, depths: torch.Tensor, hits: torch.Tensor) -> None:
+        """Checked draft nodes to the calibrator (and, ``estimator="adaptive"``, to the call's
+        level, against what the calibration predicted for them before this round)."""
+        if self.estimator == "adaptive":
+            self._level.update(self.calibrator.predict(scores), depths, hits)
+        self.calibrator.update(scores, hits)
 
     def _new_cache(self):
         from transformers import DynamicCache
