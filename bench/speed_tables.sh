@@ -40,7 +40,7 @@ for step in "${steps[@]}"; do
     fp32) $PYTHON "${common[@]}" --drafter "$DRAFTER" --dtype float32 --budget auto --methods ddtree,dartree --hf \
           --temperatures 0 --json "$OUT/e2e_smollm2_speed_fp32.json" ;;
     estimator) $PYTHON "${common[@]}" --drafter "$DRAFTER" --dtype "$DTYPE" --budget auto --methods chain,dartree \
-          --sweep estimator=score,vh --temperatures 0 --json "$OUT/e2e_smollm2_speed_estimator.json" ;;
+          --sweep estimator=score,adaptive,vh --temperatures 0 --json "$OUT/e2e_smollm2_speed_estimator.json" ;;
     early_exit) $PYTHON "${common[@]}" --drafter "$DRAFTER" --dtype "$DTYPE" --budget 64 --methods chain,chain_corrected \
           --sweep early_exit=none,0.4,0.6,0.8 --temperatures 0 --json "$OUT/e2e_smollm2_speed_early_exit.json" ;;
     fixed) $PYTHON bench/e2e.py --target smollm2 --drafter "old=${OLD:?set OLD=dir},new=${NEW:?set NEW=dir}" \

@@ -163,7 +163,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
     add_decoding_args(parser)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--compare-ar", action="store_true", help="also decode with 'ar' and print the speedup")
-    parser.add_argument("--repeats", type=int, default=3, help="with --compare-ar: decode with the method and with "
+    parser.add_argument("--repeats", type=int, default=5, help="with --compare-ar: decode with the method and with "
                         "'ar' in turn this many times and report the median of the per-pair speedups (one "
                         "sub-second pair moves by 10-20%% on a shared CPU)")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype, same "

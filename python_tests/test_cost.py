@@ -101,6 +101,23 @@ def test_chooser_falls_back_to_plain_decoding():
     assert choose_size([min(0.3 * i, 0.5) for i in range(65)], cost) == (0, pytest.approx(0.1))
 
 
+def test_chooser_with_running_costs():
+    """The decoder's running corrections. t(n) = 10 + n ms, 0.9 tokens for the first node and 0.1
+    for each after it. Modelled (no draft cost): (1 + 0.9) / 11 beats (1 + 1) / 12, so n = 1. A
+    measured drafter pass plus tree of 10 ms: (1 + 0.9) / 21 < 1 / 10, a plain step. The same
+    10 ms with every verification twice the curve's (verify_scale 2): (1 + 0.9) / 32 > 1 / 20 and
+    > (1 + 1) / 34, a tree again (the fixed cost weighs less next to dearer steps)."""
+    cost = CostModel.from_curve({0: 10.0, 64: 74.0})
+    expected = [0.0] + [0.9 + 0.1 * (n - 1) for n in range(1, 17)]
+    assert choose_size(expected, cost)[0] == 1
+    assert choose_size(expected, cost, drafted_ms=10.0) == (0, pytest.approx(0.1))
+    assert choose_size(expected, cost, verify_scale=2.0, drafted_ms=10.0) == (1, pytest.approx(1.9 / 32))
+    with pytest.raises(ValueError, match="verify_scale"):
+        choose_size(expected, cost, verify_scale=0.0)
+    with pytest.raises(ValueError, match="drafted_ms"):
+        choose_size(expected, cost, drafted_ms=-1.0)
+
+
 def test_chooser_batch_and_bad_input():
     cost = CostModel.from_curve({0: 10.0, 7: 10.0, 15: 30.0})
     # two rows: n = 3 costs 7 nodes' time (10 ms) and gains 2 * 0.4 * 3 = 2.4 tokens
@@ -356,6 +373,28 @@ def test_auto_budget_lossless_with_long_paths(setup, method):
     rounds = st.auto_rounds
     assert 10.1 * rounds <= st.predicted_ms <= 10.6 * rounds + 1e-6   # verify 10-10.5 + draft 0.1, no overhead
     assert st.measured_ms > 0 and st.summary()["auto_check"]["rounds"] == rounds
+
+
+def test_running_costs_follow_the_rounds(setup):
+    """A measured cost model (overhead_ms None) is corrected by the rounds: the tiny model's
+    rounds take well under the curve's 10 ms, so the verify scale falls towards its floor of 1/3 and
+    the drafter pass plus tree is what the rounds took; a given model (overhead_ms set) is not
+    touched. Both stay lossless."""
+    import dataclasses
+    target, drafter, prompts, refs = setup
+    oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
+    measured = dataclasses.replace(TREES_PAY, overhead_ms=None)
+    dec = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24, cost_model=measured)
+    check_greedy(dec, prompts, refs, NEW)
+    overhead, scale, drafted = dec._running_costs()
+    assert dec._verify_seen > 0 and 1 / 3 <= scale < 0.6
+    assert drafted == dec._drafted_ms and 0 < drafted != TREES_PAY.draft_ms + TREES_PAY.tree("dartree")
+    assert overhead == dec._overhead_ms > 0
+    given = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24,
+                               cost_model=TREES_PAY)
+    check_greedy(given, prompts, refs, NEW)
+    assert given._running_costs() == (TREES_PAY.overhead_ms, 1.0, TREES_PAY.draft_ms + TREES_PAY.tree("dartree"))
+    assert given._verify_seen == 0 and given._drafted_ms is None
 
 
 @pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])

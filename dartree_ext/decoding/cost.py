@@ -183,18 +183,24 @@ class CostModel:
 
 # choosing n --------------------------------------------------------------------------------------
 def choose_size(expected: Sequence[float], cost: CostModel, method: str = "*", context: float = 0.0,
-                batch: int = 1, overhead_ms: float = 0.0) -> tuple[int, float]:
+                batch: int = 1, overhead_ms: float = 0.0, verify_scale: float = 1.0,
+                drafted_ms: float | None = None) -> tuple[int, float]:
     """``(n, tokens per ms)`` maximising ``(batch + E(n)) / (round_ms(n) + overhead_ms)`` over
     ``n = 0..len(expected)-1``, where ``expected[n]`` = expected accepted draft tokens of the best
     ``n`` nodes summed over the batch (``expected[0] = 0``) and ``overhead_ms`` is what every
-    round costs besides the model (the decoder's bookkeeping). Ties go to the smaller ``n``."""
+    round costs besides the model (the decoder's bookkeeping). ``verify_scale`` multiplies the
+    verification curve and ``drafted_ms`` replaces the drafter pass plus tree construction (what
+    the decoder measures as it runs: :class:`~dartree_ext.decoding.SpeculativeDecoder`). Ties go
+    to the smaller ``n``."""
     if len(expected) == 0 or abs(float(expected[0])) > 1e-9:
         raise ValueError("expected[0] must be 0 (no draft nodes accept nothing)")
-    best_n, best_rate = 0, batch / (cost.round_ms(method, 0, context, batch) + overhead_ms)
-    fixed = cost.draft_ms + cost.tree(method) + overhead_ms
+    if not verify_scale > 0 or (drafted_ms is not None and drafted_ms < 0):
+        raise ValueError(f"need verify_scale > 0 and drafted_ms >= 0, got {verify_scale}, {drafted_ms}")
     verify = cost.verify_upto(batch * len(expected) - 1, context)
+    best_n, best_rate = 0, batch / (verify_scale * verify[batch - 1] + overhead_ms)
+    fixed = (cost.draft_ms + cost.tree(method) if drafted_ms is None else drafted_ms) + overhead_ms
     for n in range(1, len(expected)):
-        rate = (batch + float(expected[n])) / (fixed + verify[batch * (n + 1) - 1])
+        rate = (batch + float(expected[n])) / (fixed + verify_scale * verify[batch * (n + 1) - 1])
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     return best_n, best_rate

@@ -53,6 +53,7 @@ DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
 DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
+RUNNING_WEIGHT = 0.2  # budget="auto": a new round's weight in the running costs (_running_costs)
 RECENT_ROUNDS = 16
 # budget="auto": a round that probes the drafter after plain steps drafts at most this many
 # positions and builds at most this many nodes; the next round grows if the probe's tree paid
@@ -517,6 +518,7 @@ class SpeculativeDecoder:
         self._skip = self._backoff = 0
         self._level = AcceptanceLevel()  # estimator="adaptive": reset per generate call
         self._overhead_ms = None
+        self._verify_scale, self._verify_seen, self._drafted_ms = 1.0, 0, None  # see _running_costs
         self._recent_depths: list[int] = []
         self._recent_sizes: list[int] = []
         self._chosen_expected = 0.0
@@ -621,10 +623,8 @@ class SpeculativeDecoder:
         :meth:`expected_accepted`."""
         expected = self.expected_accepted(tree, accept_prob)
         batch = tree.tokens.shape[0]
-        overhead = self.cost_model.overhead_ms
-        if overhead is None:
-            overhead = self._overhead_ms or 0.0
-        n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead)
+        overhead, scale, drafted = self._running_costs()
+        n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead, scale, drafted)
         self._chosen_expected = float(expected[n])
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
@@ -634,12 +634,46 @@ class SpeculativeDecoder:
 
     def _predict_round(self, state: _Batch, tree: Tree, drafted: bool) -> tuple[float, float]:
         """What the chooser expects of this round: (tokens, ms) for the tree about to be verified."""
-        cost, rows = self.cost_model, tree.tokens.shape[0]
-        overhead = cost.overhead_ms if cost.overhead_ms is not None else (self._overhead_ms or 0.0)
-        ms = cost.verify(rows * tree.tokens.shape[1] - 1, state.cache_len) + overhead
+        rows = tree.tokens.shape[0]
+        overhead, scale, drafted_ms = self._running_costs()
+        ms = scale * self.cost_model.verify(rows * tree.tokens.shape[1] - 1, state.cache_len) + overhead
         if drafted:
-            ms += cost.draft_ms + cost.tree(self.method)
+            ms += drafted_ms
         return rows + self._chosen_expected, ms
+
+    def _running_costs(self) -> tuple[float, float, float]:
+        """``(overhead ms, verify scale, drafter pass + tree ms)`` as the chooser prices a round.
+        A measured cost model (``overhead_ms`` None) is corrected by the rounds as they run: the
+        bookkeeping, the drafter pass plus tree construction, and the ratio of each round's
+        verification to the curve's figure, each a running average
+        (:meth:`_observe_round`), so a cost model measured in a fast or slow minute of a shared
+        machine, or missing a cost of the real round, does not skew the choice. A given cost
+        model (``overhead_ms`` set, e.g. :meth:`CostModel.from_curve`) is taken as it is."""
+        cost = self.cost_model
+        modelled = cost.draft_ms + cost.tree(self.method)
+        if cost.overhead_ms is not None:
+            return cost.overhead_ms, 1.0, modelled
+        return (self._overhead_ms or 0.0, self._verify_scale,
+                modelled if self._drafted_ms is None else self._drafted_ms)
+
+    def _observe_round(self, state: _Batch, tree: Tree, drafted: bool, round_start: float, tree_end: float,
+                       verify_end: float) -> None:
+        """``budget="auto"``: fold one round's measured times into the running costs
+        (:meth:`_running_costs`): ``drafted`` (the drafter ran) rounds give the drafter pass plus
+        tree construction; every round gives its verification ms over the curve's figure for its
+        width (clamped to 1/3..3, so one stall cannot swing it)."""
+        cost = self.cost_model
+        if cost is None or cost.overhead_ms is not None:
+            return
+        modelled = cost.verify(tree.tokens.shape[0] * tree.tokens.shape[1] - 1, state.cache_len)
+        ratio = min(3.0, max(1 / 3, 1e3 * (verify_end - tree_end) / modelled))
+        self._verify_scale = ratio if self._verify_seen == 0 else (
+            (1 - RUNNING_WEIGHT) * self._verify_scale + RUNNING_WEIGHT * ratio)
+        self._verify_seen += 1
+        if drafted:
+            ms = 1e3 * (tree_end - round_start)
+            self._drafted_ms = ms if self._drafted_ms is None else (
+                (1 - RUNNING_WEIGHT) * self._drafted_ms + RUNNING_WEIGHT * ms)
 
     def _build_cap(self) -> int | None:
         """budget="auto": the nodes a round's tree is built with, twice the largest size chosen
@@ -730,9 +764,12 @@ class SpeculativeDecoder:
             state.begin_round(self._cache_length(state.cache))
             draft = self._draft(run, state)
             tree, chosen = self._tree(run, state, draft)
+            tree_end = time.perf_counter()
             predicted = self._predict_round(state, tree, draft is not None) if self.auto and tree.tokens.shape[1] > 1 else None
             verdict = self._verify(run, state, tree)
             start = time.perf_counter()
+            if self.auto:
+                self._observe_round(state, tree, draft is not None, round_start, tree_end, start)
             self._commit(run, state, tree, verdict, chosen, draft)
             self._retire(run, state, tree, verdict, chosen)
             if bar is not None:
@@ -901,21 +938,20 @@ class SpeculativeDecoder:
         probability (:class:`LookupStats`) unless the drafter's tree already had it, and the
         round's cost grows with the widest row."""
         cost, rows = self.cost_model, len(chains)
-        overhead = cost.overhead_ms if cost.overhead_ms is not None else (self._overhead_ms or 0.0)
+        overhead, scale, drafted_ms = self._running_costs()
         base_width = tree.tokens.shape[1]
-        fixed = cost.round_ms(self.method, chosen or 0, context, rows) - cost.verify(rows * base_width - 1, context)
-        fixed += overhead
+        fixed = (drafted_ms if chosen else 0.0) + overhead
         num = tree.num_nodes.tolist()
         probs = [self.lookup_stats.path_probs(n, len(c)) if c else [] for c, n in zip(chains, ngrams)]
         expected = rows + self._chosen_expected
-        best_steps, best_rate, best_expected = 0, expected / (fixed + cost.verify(rows * base_width - 1, context)), expected
+        best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
             for b, c in enumerate(chains):
                 if d <= len(c) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):
                     expected += probs[b][d - 1]
             width = max(base_width, max(num[b] + (added[b][min(d, len(added[b])) - 1] if added[b] else 0)
                                         for b in range(rows)))
-            rate = expected / (fixed + cost.verify(rows * width - 1, context))
+            rate = expected / (fixed + scale * cost.verify(rows * width - 1, context))
             if rate > best_rate * (1 + 1e-9):
                 best_steps, best_rate, best_expected = d, rate, expected
         self._chosen_expected = best_expected - rows  # the round's prediction now includes the graft
