@@ -387,14 +387,14 @@ def test_running_costs_follow_the_rounds(setup):
     dec = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24, cost_model=measured)
     check_greedy(dec, prompts, refs, NEW)
     overhead, scale, drafted = dec._running_costs()
-    assert dec._verify_seen > 0 and 1 / 3 <= scale < 0.6
+    assert dec._verify_scale is not None and 1 / 3 <= scale < 0.6
     assert drafted == dec._drafted_ms and 0 < drafted != TREES_PAY.draft_ms + TREES_PAY.tree("dartree")
     assert overhead == dec._overhead_ms > 0
     given = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24,
                                cost_model=TREES_PAY)
     check_greedy(given, prompts, refs, NEW)
     assert given._running_costs() == (TREES_PAY.overhead_ms, 1.0, TREES_PAY.draft_ms + TREES_PAY.tree("dartree"))
-    assert given._verify_seen == 0 and given._drafted_ms is None
+    assert given._verify_scale is None and given._drafted_ms is None
 
 
 @pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])

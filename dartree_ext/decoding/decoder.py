@@ -54,6 +54,7 @@ DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RUNNING_WEIGHT = 0.2  # budget="auto": a new round's weight in the running costs (_running_costs)
+OVERHEAD_WEIGHT = 0.1  # ... and in the running bookkeeping ms
 RECENT_ROUNDS = 16
 # budget="auto": a round that probes the drafter after plain steps drafts at most this many
 # positions and builds at most this many nodes; the next round grows if the probe's tree paid
@@ -323,6 +324,11 @@ class _Batch:
             select_requests_(self.cache, idx)
 
 
+def _running_average(old: float | None, new: float, weight: float = RUNNING_WEIGHT) -> float:
+    """``new`` at the first observation (``old`` None), then ``old`` moved by ``weight`` towards it."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class _Run:
     """One ``generate`` call's settings, output tokens, stats and phase clock."""
 
@@ -518,7 +524,7 @@ class SpeculativeDecoder:
         self._skip = self._backoff = 0
         self._level = AcceptanceLevel()  # estimator="adaptive": reset per generate call
         self._overhead_ms = None
-        self._verify_scale, self._verify_seen, self._drafted_ms = 1.0, 0, None  # see _running_costs
+        self._verify_scale = self._drafted_ms = None  # see _running_costs (None: no round seen yet)
         self._recent_depths: list[int] = []
         self._recent_sizes: list[int] = []
         self._chosen_expected = 0.0
@@ -653,7 +659,7 @@ class SpeculativeDecoder:
         modelled = cost.draft_ms + cost.tree(self.method)
         if cost.overhead_ms is not None:
             return cost.overhead_ms, 1.0, modelled
-        return (self._overhead_ms or 0.0, self._verify_scale,
+        return (self._overhead_ms or 0.0, 1.0 if self._verify_scale is None else self._verify_scale,
                 modelled if self._drafted_ms is None else self._drafted_ms)
 
     def _observe_round(self, state: _Batch, tree: Tree, drafted: bool, round_start: float, tree_end: float,
@@ -667,13 +673,9 @@ class SpeculativeDecoder:
             return
         modelled = cost.verify(tree.tokens.shape[0] * tree.tokens.shape[1] - 1, state.cache_len)
         ratio = min(3.0, max(1 / 3, 1e3 * (verify_end - tree_end) / modelled))
-        self._verify_scale = ratio if self._verify_seen == 0 else (
-            (1 - RUNNING_WEIGHT) * self._verify_scale + RUNNING_WEIGHT * ratio)
-        self._verify_seen += 1
+        self._verify_scale = _running_average(self._verify_scale, ratio)
         if drafted:
-            ms = 1e3 * (tree_end - round_start)
-            self._drafted_ms = ms if self._drafted_ms is None else (
-                (1 - RUNNING_WEIGHT) * self._drafted_ms + RUNNING_WEIGHT * ms)
+            self._drafted_ms = _running_average(self._drafted_ms, 1e3 * (tree_end - round_start))
 
     def _build_cap(self) -> int | None:
         """budget="auto": the nodes a round's tree is built with, twice the largest size chosen
@@ -764,8 +766,8 @@ class SpeculativeDecoder:
             state.begin_round(self._cache_length(state.cache))
             draft = self._draft(run, state)
             tree, chosen = self._tree(run, state, draft)
-            tree_end = time.perf_counter()
             predicted = self._predict_round(state, tree, draft is not None) if self.auto and tree.tokens.shape[1] > 1 else None
+            tree_end = time.perf_counter()
             verdict = self._verify(run, state, tree)
             start = time.perf_counter()
             if self.auto:
@@ -775,8 +777,7 @@ class SpeculativeDecoder:
             if bar is not None:
                 bar.update(sum(verdict.accepted) + len(verdict.accepted))
             end = run.tick("bookkeeping")
-            spent = 1e3 * (end - start)
-            self._overhead_ms = spent if self._overhead_ms is None else 0.9 * self._overhead_ms + 0.1 * spent
+            self._overhead_ms = _running_average(self._overhead_ms, 1e3 * (end - start), OVERHEAD_WEIGHT)
             if predicted is not None:
                 run.stats.auto_rounds += 1
                 run.stats.predicted_tokens += predicted[0]
