@@ -154,21 +154,65 @@ def test_isotonic_fit():
         costmod.isotonic([1.0, 2.0], [1.0])
 
 
+def _count_forward_tokens(target, monkeypatch) -> list[int]:
+    """The tokens of each of ``target``'s forwards from now on (the cost model's timed calls)."""
+    calls: list[int] = []
+    forward = target.forward
+
+    def counting(*args, **kwargs):
+        calls.append(int(kwargs["input_ids"].shape[1]))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", counting)
+    return calls
+
+
+def test_measured_curve_points_come_in_a_new_random_order_each_pass(cache_dir, monkeypatch):
+    """Every point of every context, in a new random order each repetition: a forward slowed by the
+    one before it (here: any forward right after the largest tree) cannot inflate the same point in
+    every repetition, as the ascending order did (it inflated the plain step, the curve's first
+    point, and the pooled fit then flattened the curve's start)."""
+    target = tiny_target("llama")
+    nodes, contexts, reps = [0, 1, 2, 4, 8], [8, 16], 4
+    calls = _count_forward_tokens(target, monkeypatch)
+
+    class Timer:  # 10 ms + 1 ms a node, 30 ms more right after the largest tree
+        def __init__(self, device):
+            self.after_big = False
+
+        def __call__(self, fn):
+            fn()
+            n = calls[-1] - 1
+            ms = 10.0 + n + (30.0 if self.after_big else 0.0)
+            self.after_big = n == max(nodes)
+            return ms
+
+    monkeypatch.setattr(costmod, "_Timer", Timer)
+    cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
+    timed = [n - 1 for n in calls][-(reps + 1) * len(nodes) * len(contexts):]
+    passes = [timed[i * len(nodes) * len(contexts):(i + 1) * len(nodes) * len(contexts)] for i in range(reps + 1)]
+    assert all(sorted(p) == sorted(n for n in nodes for _ in contexts) for p in passes)  # each point once a pass
+    assert len({tuple(p) for p in passes}) == reps + 1 and passes[0] != sorted(passes[0])  # shuffled each pass
+    for curve in cost.verify_ms:
+        assert curve == pytest.approx([10.0 + n for n in nodes])
+
+
 def test_measured_curve_keeps_the_fastest_repetition_and_pools_noise(cache_dir, monkeypatch):
     """Each point is the fastest of its repetitions (noise only adds time), and a point that is still
     slow is pooled with its neighbours, not carried up the rest of the curve."""
     target = tiny_target("llama")
     plan = {0: [10.0, 14.0, 10.0], 1: [15.0, 11.0, 19.0], 2: [10.5, 10.6, 30.0], 4: [12.0, 12.0, 12.0]}
-    # _verify_curves times every point in turn, once untimed (99) and then once per repetition
-    served = iter([99.0] * len(plan) + [plan[n][rep] for rep in range(3) for n in sorted(plan)])
+    calls = _count_forward_tokens(target, monkeypatch)
 
-    class Timer:
+    class Timer:  # each point's first forward is the untimed warm-up (99), then its repetitions in turn
         def __init__(self, device):
             pass
 
         def __call__(self, fn):
             fn()
-            return next(served)
+            n = calls[-1] - 1
+            seen = calls.count(n + 1) - 1
+            return 99.0 if seen == 0 else plan[n][seen - 1]
 
     monkeypatch.setattr(costmod, "_Timer", Timer)
     cost = costmod.measure_cost_model(target, None, nodes=[0, 1, 2, 4], contexts=[8], reps=3)

@@ -33,10 +33,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 6  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 7  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
 # timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
-# each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum)
+# each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum);
+# 7: the points of all contexts timed in a new random order each repetition (not in ascending order)
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -464,42 +465,47 @@ def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
     device, dtype = param.device, param.dtype
     vocab = _vocab_size(target)
     cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    verify: list[list[float]] = []
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(contexts) * len(nodes) * (reps + 1), desc="cost model: target", unit="fwd")
+    caches, pasts = [], []
     for ctx in contexts:
         cache = DynamicCache(config=target.config)
         if ctx > 0:
             ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
             target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        past = torch.ones(1, ctx, dtype=torch.bool, device=device)
-        samples: dict[int, list[float]] = {n: [] for n in nodes}
-        for rep in range(reps + 1):  # the first pass warms up
-            for n in nodes:
-                parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
-                mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
-                                               past, dtype)
-                ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
-                pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
+        caches.append(cache)
+        pasts.append(torch.ones(1, ctx, dtype=torch.bool, device=device))
+    points = [(c, n) for c in range(len(contexts)) for n in nodes]
+    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for rep in range(reps + 1):  # the first pass warms up
+        # every point of every context in a new random order each pass: a slow spell of the machine,
+        # or a forward slowed by the one before it, falls on different points each time
+        for i in torch.randperm(len(points), generator=gen).tolist():
+            c, n = points[i]
+            ctx, cache = contexts[c], caches[c]
+            parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
+            mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
+                                           pasts[c], dtype)
+            ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
+            pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
 
-                def fwd():
-                    target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                           output_hidden_states=need_hidden, **{cache_kw: cache})
+            def fwd():
+                target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                       output_hidden_states=need_hidden, **{cache_kw: cache})
 
-                ms = timer(fwd)
-                _drop_last(cache, n + 1)
-                if rep:
-                    samples[n].append(ms)
-                if bar is not None:
-                    bar.update(1)
-        # noise on a shared machine only adds time: the fastest repetition of each point, then the
-        # non-decreasing fit (a noisy point is pooled with its neighbours, not carried up the curve)
-        verify.append(isotonic([min(samples[n]) for n in nodes]))
+            ms = timer(fwd)
+            _drop_last(cache, n + 1)
+            if rep:
+                samples[points[i]].append(ms)
+            if bar is not None:
+                bar.update(1)
     if bar is not None:
         bar.close()
-    return verify
+    # noise on a shared machine only adds time: the fastest repetition of each point, then the
+    # non-decreasing fit (a noisy point is pooled with its neighbours, not carried up the curve)
+    return [isotonic([min(samples[c, n]) for n in nodes]) for c in range(len(contexts))]
 
 
 def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: list[int], methods: Sequence[str],
