@@ -6,8 +6,9 @@ maximises the ratio; ``n = 0`` is a plain decoding step (no draft: ``1 / t_verif
 
 * :class:`CostModel`: the measured (or user-given) costs. ``verify_ms[i][j]`` is the target
   forward over ``nodes[j] + 1`` tokens after a cache of ``contexts[i]`` tokens;
-  :func:`measure_cost_model` times it on the machine at hand (interleaved repetitions, the
-  fastest of each point, then a non-decreasing least-squares fit; CUDA events on a GPU) and
+  :func:`measure_cost_model` times it on the machine at hand (repetitions over all points in a
+  new random order each, the fastest of each point, then a non-decreasing least-squares fit;
+  CUDA events on a GPU) and
   :func:`cached_cost_model` keeps it on disk, keyed by everything that changes it (model
   config, dtype, device model, threads, torch and library versions).
 * :class:`AcceptanceCalibrator`: P(node accepted | its tree score), per score bin, learned online
@@ -552,8 +553,9 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     cache of each context length, hidden states out, as a decoding round runs it), the drafter
     pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
     vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
-    at ``max(nodes)`` nodes; methods without a builder get no tree time). Repetitions are
-    interleaved over the points (the machine's speed drifts) and the fastest kept (noise only adds
+    at ``max(nodes)`` nodes; methods without a builder get no tree time). Each repetition times
+    every (context, nodes) point once, in a new random order (the machine's speed drifts, and a
+    forward can slow the next), and the fastest of each point is kept (noise only adds
     time); the curve is then fitted non-decreasing (:func:`isotonic`)."""
     from ..models.eagle3 import Eagle3Drafter
 
