@@ -4,17 +4,28 @@ the same prompt, the target set up as `dartree-generate` sets it up (`--dtype`, 
 
     python bench/round_phases.py                                  # the main command's haiku
     python bench/round_phases.py --mtbench 1 --temperature 1      # MT-Bench question 1, sampled
+    python bench/round_phases.py --ops                            # top-level ATen calls a round, by phase
+    python bench/round_phases.py --pairs 8                        # speedup over ar, 8 alternating pairs
+    python bench/round_phases.py --cold 50                        # the drafter's pass after a target forward
 
 Each listed function is wrapped with a timer (a few microseconds per call, included in the
 figures); nested calls are counted in their callers too, so the rows do not add up. The target's
 forward includes the prefill (its calls outnumber the rounds by the prefills). Figures are the
 sum over --repeats decodes of the prompt, after one untimed decode per method.
+
+--ops counts, with torch.profiler, the ATen calls made directly by each phase (not those inside
+the target's or the drafter's forward, which are counted as their own rows) per round of one
+decode. --pairs N prints the median and each of N pairs' speedup over `ar` (ar, then the method;
+the ratio within a pair survives the machine's drift). --cold N times the drafter's pass (the
+first 4 positions, a 120-slot context) right after a one-token target forward and again right
+after itself, N times (median): what the target's forward costs the drafter in caches.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import functools
+import statistics
 import time
 
 import torch
@@ -35,6 +46,9 @@ def main() -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--mtbench", type=int, default=None, metavar="I",
                         help="decode MT-Bench question I instead of --prompt")
+    parser.add_argument("--ops", action="store_true", help="count the ATen calls of each phase")
+    parser.add_argument("--pairs", type=int, default=0, metavar="N", help="N alternating ar / method pairs")
+    parser.add_argument("--cold", type=int, default=0, metavar="N", help="the drafter's pass after a target forward")
     args = parser.parse_args()
     target, tok, drafter, dtype, _, budget = _load_for_generate(args)
     text = args.prompt
@@ -54,6 +68,9 @@ def main() -> None:
         def wrapper(*a, **k):
             start = time.perf_counter()
             try:
+                if args.ops:  # a profiler range: print_ops attributes each ATen call to its phase
+                    with torch.profiler.record_function("PH:" + label):
+                        return fn(*a, **k)
                 return fn(*a, **k)
             finally:
                 totals[label] += time.perf_counter() - start
@@ -61,21 +78,22 @@ def main() -> None:
 
         setattr(owner, name, wrapper)
 
-    for name in DECODER_METHODS:
-        timed(SpeculativeDecoder, name)
-    for name in ("choose_size", "prune", "compact_cache_", "target_tokens_from_logits"):
-        timed(decoder_module, name)
-    for name in ("verify_tree", "tree_attention_mask"):
-        timed(decoder_module.ops, name)
-    timed(tree_module.ops, "build_supertree")
-    for name in ("supertree_as_tree", "candidates"):
-        timed(tree_module, name)
-    timed(target, "forward", "target.forward")
-    if drafter is not None:
-        timed(drafter, "forward", "drafter.forward")
-        for name in ("project_context", "context_kv"):
-            if hasattr(drafter, name):
-                timed(drafter, name, f"drafter.{name}")
+    if not (args.pairs or args.cold):  # those time the calls as they are, with no wrappers
+        for name in DECODER_METHODS:
+            timed(SpeculativeDecoder, name)
+        for name in ("choose_size", "prune", "compact_cache_", "target_tokens_from_logits"):
+            timed(decoder_module, name)
+        for name in ("verify_tree", "tree_attention_mask"):
+            timed(decoder_module.ops, name)
+        timed(tree_module.ops, "build_supertree")
+        for name in ("supertree_as_tree", "candidates"):
+            timed(tree_module, name)
+        timed(target, "forward", "target.forward")
+        if drafter is not None:
+            timed(drafter, "forward", "drafter.forward")
+            for name in ("project_context", "context_kv"):
+                if hasattr(drafter, name):
+                    timed(drafter, name, f"drafter.{name}")
 
     def decode(method: str):
         dec = SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64,
@@ -88,6 +106,12 @@ def main() -> None:
     methods = ["ar", args.method]
     for method in methods:  # the cost model, and each shape's first call, out of the figures
         decode(method)
+    if args.pairs:
+        return print_pairs(decode, args.method, args.pairs)
+    if args.cold:
+        return print_cold(target, drafter, args.cold)
+    if args.ops:
+        return print_ops(decode, args.method)
     print(f"dtype {str(dtype).replace('torch.', '')}, linear {args.linear}, T = {args.temperature}, "
           f"{args.repeats} decodes each")
     for method in methods:
@@ -101,6 +125,62 @@ def main() -> None:
               f"{1e3 * seconds / rounds:.2f} ms a round, {1e3 * seconds / tokens:.2f} ms a token")
         for label, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
             print(f"   {label:28s} {1e3 * secs / rounds:8.3f} ms/round   calls {calls[label]}")
+
+
+def print_pairs(decode, method: str, pairs: int) -> None:
+    ratios = []
+    for _ in range(pairs):
+        ar, out = decode("ar"), decode(method)
+        ratios.append((ar.stats.total_time / ar.stats.new_tokens) / (out.stats.total_time / out.stats.new_tokens))
+    print(f"{method} over ar: median {statistics.median(ratios):.3f}x, tau {out.stats.tau:.2f}, pairs "
+          f"{[round(r, 3) for r in ratios]}")
+
+
+@torch.no_grad()
+def print_cold(target, drafter, reps: int) -> None:
+    from transformers import DynamicCache
+    gen = torch.Generator().manual_seed(0)
+    slots = 120
+    context = torch.randn(1, slots, drafter.config.hidden_size, generator=gen).to(drafter.dtype)
+    positions = torch.arange(slots)[None]
+    visible = torch.ones(1, slots, dtype=torch.bool)
+    kv = drafter.context_kv(context, positions)
+    root, root_pos = torch.tensor([42]), torch.tensor([slots])
+    cache = DynamicCache(config=target.config)
+    vocab = int(target.config.vocab_size)
+    target(input_ids=torch.randint(0, vocab, (1, 100), generator=gen), use_cache=True, past_key_values=cache,
+           logits_to_keep=1)
+    ids = torch.randint(0, vocab, (1, 1), generator=gen)
+    times: dict[str, list[float]] = {"target forward": [], "drafter after it": [], "drafter again": []}
+    for rep in range(reps + 10):
+        t0 = time.perf_counter()
+        target(input_ids=ids, use_cache=True, past_key_values=cache)
+        t1 = time.perf_counter()
+        drafter(root, root_pos, context, positions, visible, context_kv=kv, positions=4)
+        t2 = time.perf_counter()
+        drafter(root, root_pos, context, positions, visible, context_kv=kv, positions=4)
+        t3 = time.perf_counter()
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+        if rep >= 10:  # warm-up
+            for name, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name].append(t)
+    print(", ".join(f"{name} {1e3 * statistics.median(t):.3f} ms" for name, t in times.items()) + f" (median of {reps})")
+
+
+def print_ops(decode, method: str) -> None:
+    with torch.profiler.profile() as prof:
+        out = decode(method)
+    counts: collections.Counter = collections.Counter()
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith("PH:") or (parent is not None and not parent.name.startswith("PH:")):
+            continue  # only calls made directly by a phase (or outside every phase)
+        counts[parent.name[3:] if parent is not None else "(outside the phases)"] += 1
+    print(f"{method}: top-level ATen calls a round ({out.stats.rounds} rounds); the forwards' own calls are "
+          "in their rows")
+    for name, count in counts.most_common():
+        print(f"   {name:28s} {count / out.stats.rounds:8.1f}")
 
 
 if __name__ == "__main__":
