@@ -32,8 +32,9 @@ import torch
 
 import dartree_ext.decoding.decoder as decoder_module
 import dartree_ext.tree as tree_module
-from dartree_ext.cli import _load_for_generate, build_generate_parser
+from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
+from dartree_ext.decoding.cost import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
 
 DECODER_METHODS = ("_draft", "_tree", "_verify", "_commit", "_retire", "_predict_round", "_observe_round",
@@ -103,13 +104,13 @@ def main() -> None:
         return dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, generator=gen)
 
+    if args.cold:  # no decoding: no cost model or warm-up decodes needed
+        return print_cold(target, drafter, args.cold)
     methods = ["ar", args.method]
     for method in methods:  # the cost model, and each shape's first call, out of the figures
         decode(method)
     if args.pairs:
         return print_pairs(decode, args.method, args.pairs)
-    if args.cold:
-        return print_cold(target, drafter, args.cold)
     if args.ops:
         return print_ops(decode, args.method)
     print(f"dtype {str(dtype).replace('torch.', '')}, linear {args.linear}, T = {args.temperature}, "
@@ -131,7 +132,7 @@ def print_pairs(decode, method: str, pairs: int) -> None:
     ratios = []
     for _ in range(pairs):
         ar, out = decode("ar"), decode(method)
-        ratios.append((ar.stats.total_time / ar.stats.new_tokens) / (out.stats.total_time / out.stats.new_tokens))
+        ratios.append(_speedup(ar, out))  # as dartree-generate --compare-ar computes it
     print(f"{method} over ar: median {statistics.median(ratios):.3f}x, tau {out.stats.tau:.2f}, pairs "
           f"{[round(r, 3) for r in ratios]}")
 
@@ -160,8 +161,7 @@ def print_cold(target, drafter, reps: int) -> None:
         t2 = time.perf_counter()
         drafter(root, root_pos, context, positions, visible, context_kv=kv, positions=4)
         t3 = time.perf_counter()
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+        _drop_last(cache, 1)
         if rep >= 10:  # warm-up
             for name, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[name].append(t)
