@@ -59,6 +59,8 @@ def _tiled(mask: torch.Tensor, rep: int) -> torch.Tensor:
     """``mask`` with its rows repeated ``rep`` times (``[B, 1, rep * T, S]``), built once for all the
     layers of a forward that pass the same, unchanged mask."""
     global _last_tiled
+    if torch.compiler.is_compiling():  # traced: the compiler shares the copy itself, no cache
+        return torch.cat([mask] * rep, 2)
     src, version, r, tiled = _last_tiled  # one tuple, replaced whole: safe to read from any thread
     if src is mask and version == mask._version and r == rep:
         return tiled

@@ -442,6 +442,8 @@ class BlockDrafter(TargetAttached, nn.Module):
         return self
 
     def _draft_head_weight(self) -> torch.Tensor:
+        if self._draft_head is not None and torch.compiler.is_compiling():
+            return self._draft_head[1]  # traced code keeps the rows made eagerly (StaticRound makes them)
         w = self.lm_head.weight
         key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
         if self._draft_head is None or self._draft_head[0] != key:

@@ -1,0 +1,303 @@
+"""One DARTree decoding round with static shapes, for ``torch.compile`` and CUDA graphs.
+
+:class:`StaticRound` runs a whole round as one function of tensors: the drafter pass from each
+row's root, :func:`~dartree_ext.tree.build_dartree` (a fixed budget B), the tree-attention mask,
+the target's forward over root + B nodes on a transformers ``StaticCache``, ``verify_tree``,
+KV compaction of the accepted path, and the drafter's context for it. Every shape is fixed by
+(batch, B, cache length), nothing reads a value back to the host, and the library's ops have
+fake kernels, so ``torch.compile(fullgraph=True)`` takes the round without a graph break and a
+GPU can capture it (``mode="reduce-overhead"``). :meth:`StaticRound.generate` drives it, one
+host read per round (the emitted tokens).
+
+What it leaves to :class:`~dartree_ext.decoding.SpeculativeDecoder`: the automatic budget
+(a tree size chosen per round needs a host decision), the context-lookup branch, early exit,
+the other methods, top-k / top-p sampling, and retiring finished rows (a static batch keeps
+them, and their tokens are dropped). Greedy decoding (T = 0) takes the target's argmax;
+``temperature > 0`` samples by the Gumbel-max trick from noise drawn outside the round
+(an exact sample of ``softmax(logits / T)``, so verification stays lossless).
+
+Cache layout. Slot ``j`` of row ``b`` of the target's static cache (and of the drafter's
+context keys/values) holds a committed token for ``pad[b] <= j < length[b]``. A round writes
+its tree at slots ``write .. write + N - 1`` with ``write = max(length)``, so shorter rows have
+a masked gap before their tree; compaction then moves each row's accepted path to
+``length[b] ..`` and the gap closes. The drafter's context buffers have one extra slot at the
+end, where the rows of a path past its accepted length are written and never read.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .. import ops
+from .._widths import depth_widths
+from ..models.drafter import BlockDrafter
+from ..tree import build_dartree
+from .cache import cache_layers
+from .decoder import _additive_mask, _text_config
+
+
+class StaticRound(torch.nn.Module):
+    """``target`` (a transformers causal LM) with a :class:`BlockDrafter`; ``batch_size`` rows of
+    at most ``max_length`` cache slots (prompt and generated tokens, plus one tree's B + 1
+    nodes). ``budget``, ``width``, ``K``, ``depth_bonus``: :func:`build_dartree`'s B, W, K and
+    beta; ``depth``: drafted positions (default: the drafter's block minus the root)."""
+
+    def __init__(self, target: torch.nn.Module, drafter: BlockDrafter, *, max_length: int, batch_size: int = 1,
+                 budget: int = 8, width: int = 4, K: int = 8, depth: int | None = None,
+                 depth_bonus: float = -0.2) -> None:
+        super().__init__()
+        from transformers import StaticCache
+
+        if not isinstance(drafter, BlockDrafter):
+            raise TypeError(f"StaticRound needs a BlockDrafter, got {type(drafter).__name__}")
+        drafter.attach(target)  # raises on a target mismatch
+        block = drafter.config.block_size - 1
+        depth = block if depth is None else depth
+        if not 1 <= depth <= block:
+            raise ValueError(f"depth must be in [1, {block}] (the drafter's block minus the root), got {depth}")
+        if budget < 1 or width < 1 or K < 1:
+            raise ValueError(f"need budget, width and K >= 1, got budget={budget}, width={width}, K={K}")
+        if batch_size < 1 or max_length < budget + 2:
+            raise ValueError(f"need batch_size >= 1 and max_length >= budget + 2, got {batch_size} and {max_length}")
+        self.target, self.drafter = target, drafter
+        self.depth, self.budget, self.width, self.K, self.depth_bonus = depth, budget, width, K, depth_bonus
+        self.max_length, self.batch_size = max_length, batch_size
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.head = drafter.export_head(dtype=drafter.dtype)
+        if drafter.draft_vocab is not None:
+            drafter._draft_head_weight()  # the head's rows over the draft vocabulary, made once here
+
+        cfg = _text_config(target)
+        heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        self.cache.early_initialization(batch_size, heads, head_dim, self.dtype, self.device)
+        for i, layer in enumerate(cache_layers(self.cache)):
+            if not torch.is_tensor(getattr(layer, "cumulative_length", None)):
+                raise NotImplementedError(f"cache layer {i} ({type(layer).__name__}) keeps no tensor write offset "
+                                          "(transformers >= 5 StaticCache): cannot place a tree in it")
+        self._cache_tensors = [t for layer in cache_layers(self.cache) for t in (layer.keys, layer.values)]
+        dcfg, ddev, ddt = drafter.config, self.device, drafter.dtype
+        kv_shape = (batch_size, max_length + 1, 2, dcfg.num_kv_heads, dcfg.head_dim)
+        self.context_kv = [torch.zeros(kv_shape, dtype=ddt, device=ddev) for _ in drafter.layers]
+        self.valid = torch.zeros(batch_size, max_length + 1, dtype=torch.bool, device=ddev)
+        self.length = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
+        self.pad = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
+        self.root = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
+        self.write = torch.zeros((), dtype=torch.int64, device=ddev)
+        self._no_context = drafter.empty_context(batch_size)
+        self._root_state = torch.zeros(batch_size, self.head.w_s.shape[1], dtype=self.head.w_s.dtype, device=ddev)
+        self._compiled = {}
+        params = inspect.signature(target.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        depth_widths(width, depth)  # raises on a bad width
+        self.nodes = budget + 1  # root + tree nodes a round verifies (the pruned tree's columns)
+
+    # prefill ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor]) -> None:
+        """Start ``batch_size`` prompts (int64 1-D each): every token but the last into the
+        caches, left-padded; the last is each row's first root."""
+        if len(prompts) != self.batch_size:
+            raise ValueError(f"expected {self.batch_size} prompts (batch_size), got {len(prompts)}")
+        if any(p.dim() != 1 or p.numel() < 1 for p in prompts):
+            raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
+        device, batch, size = self.device, self.batch_size, self.max_length
+        prefix = max(p.numel() for p in prompts) - 1
+        if prefix + self.nodes > size:
+            raise ValueError(f"the longest prompt ({prefix + 1} tokens) leaves no room for a tree of "
+                             f"{self.budget + 1} nodes in max_length={size}")
+        pad = torch.tensor([prefix - (p.numel() - 1) for p in prompts], dtype=torch.int64, device=device)
+        for t in self._cache_tensors + self.context_kv:
+            t.zero_()
+        self.valid.zero_()
+        self.pad.copy_(pad)
+        self.length.fill_(prefix)
+        self.write.fill_(prefix)
+        self.root.copy_(torch.stack([p[-1] for p in prompts]).to(device))
+        if prefix == 0:
+            return
+        ids = torch.zeros(batch, prefix, dtype=torch.int64, device=device)
+        for b, p in enumerate(prompts):
+            ids[b, int(pad[b]):] = p[:-1].to(device)
+        slot = torch.arange(prefix, device=device)
+        column = torch.arange(size, device=device)
+        visible = (column[None, None, :] <= slot[None, :, None]) & (column[None, None, :] >= pad[:, None, None])
+        visible |= column[None, None, :] == slot[None, :, None]  # pad rows see themselves: no NaN
+        positions = (slot[None] - pad[:, None]).clamp(min=0)
+        self._set_write(torch.zeros((), dtype=torch.int64, device=device))
+        out = self.target(input_ids=ids, attention_mask=_additive_mask(visible, self.dtype)[:, None],
+                          position_ids=positions, cache_position=slot, use_cache=True, output_hidden_states=True,
+                          logits_to_keep=1, **self._cache_arg())
+        vectors = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
+        for buf, kv in zip(self.context_kv, self.drafter.context_kv(vectors, positions)):
+            buf[:, :prefix] = kv.to(buf.dtype)
+        self.valid[:, :prefix] = slot[None] >= pad[:, None]
+
+    def _cache_arg(self) -> dict:
+        return {self._cache_kw: self.cache}
+
+    def _set_write(self, write: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(write)
+
+    # the round ----------------------------------------------------------------------------
+    def forward(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round. ``noise float32[B, N, V]``: Gumbel noise for sampling (``logits / T`` plus
+        it; ``None`` is greedy). Returns ``tokens int64[B, W]`` (the accepted draft tokens, then
+        the bonus token) and ``count int64[B]`` (how many of them are new: accepted + 1)."""
+        size, batch = self.max_length, self.batch_size
+        drafter = self.drafter
+        position = self.length - self.pad
+        with torch.no_grad():
+            block = drafter.config.block_size - 1
+            draft = drafter(self.root, position, self._no_context, self.pad.new_zeros(batch, 0), self.valid,
+                            context_kv=self.context_kv, positions=None if self.depth == block else self.depth)
+            tree = build_dartree(self.head, draft.hidden, draft.base_logits, self.root, self._root_state, k=self.K,
+                                 width=self.width, budget=self.budget, depth_bonus=self.depth_bonus, vocab=draft.vocab)
+            n = tree.tokens.shape[1]
+            slots = self.write + torch.arange(n, device=self.write.device)
+            full = ops.tree_attention_mask(tree.parents, tree.num_nodes, self.valid[:, :size].contiguous(), self.dtype)
+            mask = full[..., :size].index_copy(3, slots, full[..., size:])
+            self._set_write(self.write)
+            out = self.target(input_ids=tree.tokens, attention_mask=mask,
+                              position_ids=position[:, None] + tree.depths.clamp(min=0).long(),
+                              cache_position=slots, use_cache=True, output_hidden_states=True, **self._cache_arg())
+            logits = out.logits.float()
+            if noise is not None:
+                logits = logits + noise
+            target_tokens = logits.argmax(-1)
+            accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+            width = min(n, self.depth + 1)
+            lengths = accept_len.long() + 1
+            step = torch.arange(width, device=lengths.device)
+            in_path = step[None] < lengths[:, None]
+            nodes = accept_nodes[:, :width].long()
+            nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths - 1)[:, None]))
+            ops.compact_kv_layers_(self._cache_tensors, self.write + nodes, self.length, lengths.to(torch.int32))
+            # the accepted path's context for the drafter (rows past a path go to the spare slot)
+            feats = drafter.target_features(out.hidden_states)
+            feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+            vectors = drafter.project_context(feats)
+            dst = torch.where(in_path, self.length[:, None] + step, size)
+            rows = torch.arange(batch, device=dst.device)[:, None].expand(-1, width)
+            for buf, kv in zip(self.context_kv, drafter.context_kv(vectors, position[:, None] + step)):
+                buf.index_put_((rows, dst), kv.to(buf.dtype))
+            self.valid.index_put_((rows, dst), in_path)
+            path = tree.tokens.gather(1, nodes)
+            tokens = torch.cat([path[:, 1:], bonus[:, None]], 1).scatter(1, accept_len.long()[:, None], bonus[:, None])
+            self.length.add_(lengths)
+            self.root.copy_(bonus)
+            self.write.copy_(self.length.max())
+        return tokens, lengths
+
+    def plain_step(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One plain decoding step on the same caches (the baseline a round is measured against:
+        no drafter pass, one token per row). ``noise float32[B, 1, V]`` as in :meth:`forward`.
+        Returns ``tokens int64[B, 1]`` and ``count int64[B]`` (ones). The drafter's context is
+        not kept up, so a decode uses either this or :meth:`forward` throughout."""
+        size, batch = self.max_length, self.batch_size
+        with torch.no_grad():
+            slots = self.write[None]
+            visible = self.valid[:, :size].index_fill(1, slots, True)
+            self._set_write(self.write)
+            out = self.target(input_ids=self.root[:, None], attention_mask=_additive_mask(visible, self.dtype)[:, None, None],
+                              position_ids=(self.length - self.pad)[:, None], cache_position=slots, use_cache=True,
+                              **self._cache_arg())
+            logits = out.logits[:, -1:].float()
+            if noise is not None:
+                logits = logits + noise
+            tokens = logits.argmax(-1)
+            ones = torch.ones(batch, dtype=torch.int64, device=tokens.device)
+            src = self.write.expand(batch)[:, None].contiguous()
+            ops.compact_kv_layers_(self._cache_tensors, src, self.length, ones.to(torch.int32))
+            self.valid.index_put_((torch.arange(batch, device=tokens.device), self.length), ones.bool())
+            self.length.add_(ones)
+            self.root.copy_(tokens[:, 0])
+            self.write.copy_(self.length.max())
+        return tokens, ones
+
+    def compiled(self, mode: str | None = None, plain: bool = False):
+        """:meth:`forward` (or :meth:`plain_step`) under ``torch.compile(fullgraph=True)``
+        (``mode``: e.g. ``"reduce-overhead"`` for CUDA graphs on a GPU), compiled once per
+        (mode, plain) and shape."""
+        key = (mode, plain)
+        if key not in self._compiled:
+            fn = self.plain_step if plain else self.forward
+            self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+        return self._compiled[key]
+
+    # driving it ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
+                 generator: torch.Generator | None = None, compile: bool = False, mode: str | None = None,
+                 eos_token_id: int | None = None, plain: bool = False) -> tuple[list[torch.Tensor], dict]:
+        """Decode every prompt for ``max_new_tokens`` tokens (fewer at ``eos_token_id``, which is
+        kept). Returns the new tokens per prompt and ``{"rounds", "tau"}`` (tokens per round,
+        averaged over rows). ``compile``: run :meth:`compiled` rounds; ``plain``: plain steps
+        (:meth:`plain_step`) instead of rounds."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.prefill(prompts)
+        fn = self.compiled(mode, plain) if compile else self.plain_step if plain else self.forward
+        nodes = 1 if plain else self.nodes
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        rounds = [0] * len(prompts)
+        write = int(self.write)
+        checked = False  # a compiled round has run once, with its guards, in this call
+        while not all(done):
+            if write + nodes > self.max_length:
+                raise RuntimeError(f"the cache is full ({self.max_length} slots): raise max_length")
+            noise = None
+            if temperature > 0:
+                noise = gumbel_noise((self.batch_size, nodes, vocab), temperature, generator, self.device)
+            args = () if noise is None else (noise,)
+            if compile and checked:
+                tokens, count = _unguarded(fn, args)
+            else:
+                tokens, count = fn(*args)
+                checked = compile
+            # one device-to-host read a round: the new tokens, their counts and the next write slot
+            host = torch.cat([count[:, None], tokens, self.write.expand(self.batch_size)[:, None]], 1).tolist()
+            write = host[0][-1]
+            for b, row in enumerate(host):
+                if done[b]:
+                    continue
+                rounds[b] += 1
+                for tok in row[1:1 + row[0]]:
+                    out[b].append(tok)
+                    if len(out[b]) >= max_new_tokens or tok == eos_token_id:
+                        done[b] = True
+                        break
+        tau = sum(len(o) for o in out) / max(1, sum(rounds))
+        return [torch.tensor(o, dtype=torch.int64) for o in out], {"rounds": max(rounds), "tau": tau}
+
+
+def _unguarded(fn, args: tuple):
+    """``fn(*args)`` for a compiled ``fn`` whose guards passed on these same buffers earlier in
+    the call: without evaluating dynamo's guards again (about 2-3 ms a call for a 30-layer
+    target on a CPU). A call that would need a new graph raises before running anything; it
+    then runs with its guards."""
+    try:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return fn(*args)
+    except RuntimeError as err:
+        if "skip_guard_eval_unsafe" not in str(err):
+            raise
+        return fn(*args)
+
+
+def gumbel_noise(shape: tuple[int, ...], temperature: float, generator: torch.Generator | None = None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """``temperature`` times standard Gumbel noise, float32 of ``shape``: ``argmax(logits + noise)``
+    is a sample of ``softmax(logits / temperature)`` (the Gumbel-max trick), so a round can sample
+    with its noise drawn outside it."""
+    u = torch.rand(shape, generator=generator, device=device)
+    exponential = (-torch.log(u.clamp(min=1e-20))).clamp(min=1e-20)  # u in [0, 1): -log u > 0
+    return -torch.log(exponential) * temperature
