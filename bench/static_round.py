@@ -1,23 +1,27 @@
 """The static-shape round (:class:`dartree_ext.decoding.StaticRound`) eager and under
 ``torch.compile(fullgraph=True)``, side by side with plain decoding and the decoder's `dartree`,
-on the same prompt, the target set up as `dartree-generate` sets it up (`--dtype`, `--linear`).
+the target set up as `dartree-generate` sets it up (`--dtype`, `--linear`).
 
     python bench/static_round.py                          # the main command's haiku, B = 8
-    python bench/static_round.py --static-budget 4,8 --pairs 5 --json out.json
-    python bench/static_round.py --mtbench 1
+    python bench/static_round.py --static-budget 4,8,16 --pairs 3 --json out.json
+    python bench/static_round.py --sets gsm8k,humaneval,mtbench --num-prompts 5 --pairs 1
 
-Every method decodes the prompt once untimed first (the compiled round compiles there: its
-compile time is reported on its own). Then --pairs rounds of: `ar`, the decoder's method
-(`--method`, `--budget`), static plain decoding and each static round, eager then compiled; each figure
-is the median over pairs of ms per token and the speedup over the pair's `ar` (the decoder's
-plain decoding) and over the pair's static plain decoding (`static ar`, eager or compiled like
-the row: the like-for-like baseline of a compiled round). Greedy (T = 0):
-every output is checked against `ar`'s. The static rounds stop at the token budget (no stop
-token), so every method decodes exactly --max-new-tokens tokens here.
+Methods: `ar` and `--method` (the decoder: `--budget`, `--lookup` as `dartree-generate` takes
+them), `static ar` (plain decoding on the static cache: :meth:`StaticRound.plain_step`) and
+`static B=b` for each --static-budget, with `adaptive=True` too (`static B=b adaptive`: plain
+steps while rounds do not pay), each eager and compiled. A static method keeps one
+StaticRound (one cache length: the longest prompt + --max-new-tokens + a tree) for every prompt,
+so it compiles once; its compile time is reported on its own. Per prompt, every method decodes
+once untimed, then --pairs times in turn (`ar` first); a prompt's figure is the median over its
+pairs, a set's the mean over its prompts: time per token, the speedup over the pair's `ar` (the
+decoder's plain decoding) and over the pair's `static ar` (eager or compiled like the row: the
+like-for-like baseline of a compiled round). Greedy (T = 0): every output is compared with
+`ar`'s and with its `static ar`'s (in bfloat16 a static cache and a compiled forward round
+differently from the decoder's, so a near-tie can flip between them; float32 outputs are equal,
+as the tests check). Every method decodes exactly --max-new-tokens tokens here (no stop token).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -31,83 +35,110 @@ from dartree_ext.decoding.cost import cpu_bf16_native, device_name
 from dartree_ext.loading import encode_prompt
 
 
+def prompt_texts(args) -> dict[str, list[str]]:
+    if not args.sets:
+        return {"prompt": [args.prompt]}
+    from dartree_ext.data import prompts as shipped
+    return {name: [p.text for p in getattr(shipped, name)()][:args.num_prompts] for name in args.sets.split(",")}
+
+
 def main() -> None:
     parser = build_generate_parser()
     parser.description = __doc__.split("\n\n")[0]
-    parser.add_argument("--mtbench", type=int, default=None, metavar="I", help="MT-Bench question I instead of --prompt")
+    parser.add_argument("--sets", default="", help="comma-separated shipped prompt sets instead of --prompt")
+    parser.add_argument("--num-prompts", type=int, default=5, help="prompts per set")
     parser.add_argument("--static-budget", default="8", help="comma-separated B for the static rounds")
     parser.add_argument("--static-width", type=int, default=4, help="W of the static rounds")
     parser.add_argument("--static-k", type=int, default=8, help="K of the static rounds")
     parser.add_argument("--static-depth", type=int, default=6, help="drafted positions of the static rounds")
-    parser.add_argument("--pairs", type=int, default=3, help="timed passes over every method")
+    parser.add_argument("--no-adaptive", action="store_true", help="no adaptive=True static methods")
+    parser.add_argument("--pairs", type=int, default=3, help="timed passes over every method, per prompt")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     args.method = args.method if args.method != "ar" else "dartree"
     torch.manual_seed(args.seed)
     target, tok, drafter, dtype, _, budget = _load_for_generate(args)
-    text = args.prompt
-    if args.mtbench is not None:
-        from dartree_ext.data.prompts import mtbench
-        text = mtbench()[args.mtbench].text
-    prompt = torch.tensor(encode_prompt(tok, text, chat=not args.no_chat), dtype=torch.int64)
-    ids, mask = left_pad([prompt])
+    sets = {name: [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64) for t in texts]
+            for name, texts in prompt_texts(args).items()}
     n_new = args.max_new_tokens
+    longest = max(p.numel() for ps in sets.values() for p in ps)
+    budgets = [int(x) for x in args.static_budget.split(",")]
 
     def decoder_run(method: str):
         dec = SpeculativeDecoder(target, drafter if method != "ar" else None, method,
                                  budget=budget if method != "ar" else 64, width=args.width, K=args.K,
                                  lookup=args.lookup if method != "ar" else None)
 
-        def go():
+        def go(prompt):
+            ids, mask = left_pad([prompt])
             start = time.perf_counter()
             out = dec.generate(ids, mask, max_new_tokens=n_new)
             return out.sequences[0, ids.shape[1]:], time.perf_counter() - start, out.stats.tau
         return go
 
     runs = {"ar": decoder_run("ar"), args.method: decoder_run(args.method)}
-    compile_s = {}
-    for b in [0] + [int(x) for x in args.static_budget.split(",")]:
-        rnd = StaticRound(target, drafter, max_length=prompt.numel() + n_new + 2 * (max(b, 1) + 1),
-                          budget=max(b, 1), width=args.static_width, K=args.static_k, depth=args.static_depth)
-        for compiled in (False, True):
-            def go(rnd=rnd, compiled=compiled, plain=b == 0):
+    for b in [0] + budgets:
+        rnd = StaticRound(target, drafter, max_length=longest + n_new + max(b, 1) + 2, budget=max(b, 1),
+                          width=args.static_width, K=args.static_k, depth=args.static_depth)
+        for adaptive in ((False,) if b == 0 or args.no_adaptive else (False, True)):
+            for compiled in (False, True):
+                def go(prompt, rnd=rnd, compiled=compiled, plain=b == 0, adaptive=adaptive):
+                    start = time.perf_counter()
+                    toks, stats = rnd.generate([prompt], n_new, compile=compiled, plain=plain, adaptive=adaptive)
+                    return toks[0], time.perf_counter() - start, stats["tau"]
+                name = "static ar" if b == 0 else f"static B={b}" + (" adaptive" if adaptive else "")
+                runs[name + (" compiled" if compiled else "")] = go
+
+    compile_s, per_set = {}, {}
+    for set_name, prompts in sets.items():
+        rows = {name: {"ms": [], "speedup": [], "speedup_static": [], "tau": [], "same": [], "same_static": [],
+                       "vs_eager": []}
+                for name in runs}
+        for i, prompt in enumerate(prompts):
+            outputs, taus, times = {}, {}, {name: [] for name in runs}
+            for name, go in runs.items():  # untimed: warm-up, and the compile
                 start = time.perf_counter()
-                toks, stats = rnd.generate([prompt], n_new, compile=compiled, plain=plain)
-                return toks[0], time.perf_counter() - start, stats["tau"]
-            name = ("static ar" if b == 0 else f"static B={b}") + (" compiled" if compiled else "")
-            runs[name] = go
-    outputs, times, taus = {}, {name: [] for name in runs}, {}
-    for name, go in runs.items():  # untimed: warm-up, and the compile
-        start = time.perf_counter()
-        outputs[name], _, taus[name] = go()
-        if "compiled" in name:
-            compile_s[name] = round(time.perf_counter() - start, 1)
-    for _ in range(args.pairs):
-        for name, go in runs.items():
-            toks, seconds, taus[name] = go()
-            times[name].append(seconds / max(1, toks.numel()))
-    ar = outputs["ar"]
-    rows = {}
-    for name in runs:
-        speed = [a / m for a, m in zip(times["ar"], times[name])]
-        static_ar = "static ar compiled" if "compiled" in name else "static ar"
-        rows[name] = {"speedup_vs_static_ar": round(statistics.median(
-                          [a / m for a, m in zip(times[static_ar], times[name])]), 3),
-                      "ms_per_token": round(1e3 * statistics.median(times[name]), 2),
-                      "speedup_vs_ar": round(statistics.median(speed), 3),
-                      "speedup_pairs": [round(x, 3) for x in speed], "tau": round(taus[name], 3),
-                      "same_output_as_ar": bool(torch.equal(outputs[name][:ar.numel()], ar[:outputs[name].numel()]))}
-        if name in compile_s:
-            rows[name]["compile_s"] = compile_s[name]
-            eager = name.replace(" compiled", "")
-            rows[name]["compiled_vs_eager"] = round(statistics.median(
-                [e / c for e, c in zip(times[eager], times[name])]), 3)
+                outputs[name], _, taus[name] = go(prompt)
+                if "compiled" in name and name not in compile_s:
+                    compile_s[name] = round(time.perf_counter() - start, 1)
+            for _ in range(args.pairs):
+                for name, go in runs.items():
+                    toks, seconds, _ = go(prompt)
+                    times[name].append(seconds / max(1, toks.numel()))
+            for name in runs:
+                static_ar = "static ar compiled" if "compiled" in name else "static ar"
+                row = rows[name]
+                row["ms"].append(1e3 * statistics.median(times[name]))
+                row["speedup"].append(statistics.median([a / m for a, m in zip(times["ar"], times[name])]))
+                row["speedup_static"].append(statistics.median(
+                    [a / m for a, m in zip(times[static_ar], times[name])]))
+                row["tau"].append(taus[name])
+                ar = outputs["ar"]
+                row["same"].append(bool(torch.equal(outputs[name], ar)))
+                row["same_static"].append(bool(torch.equal(outputs[name], outputs[static_ar])))
+                if "compiled" in name:
+                    eager = name.replace(" compiled", "")
+                    row["vs_eager"].append(statistics.median([e / c for e, c in zip(times[eager], times[name])]))
+            print(f"{set_name} {i}: " + ", ".join(f"{n} {rows[n]['speedup'][-1]:.2f}x" for n in runs), flush=True)
+        per_set[set_name] = {name: {"ms_per_token": round(statistics.mean(r["ms"]), 2),
+                                    "speedup_vs_ar": round(statistics.mean(r["speedup"]), 3),
+                                    "speedup_vs_static_ar": round(statistics.mean(r["speedup_static"]), 3),
+                                    "tau": round(statistics.mean(r["tau"]), 3),
+                                    "same_output_as_ar": f"{sum(r['same'])}/{len(r['same'])}",
+                                    "same_output_as_static_ar": f"{sum(r['same_static'])}/{len(r['same_static'])}",
+                                    **({"compiled_vs_eager": round(statistics.mean(r["vs_eager"]), 3)}
+                                       if r["vs_eager"] else {})}
+                         for name, r in rows.items()}
     result = {"device": device_name(torch.device(args.device)), "cpu_bf16_native": cpu_bf16_native(),
               "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "dtype": str(dtype).replace("torch.", ""), "linear": args.linear, "prompt_tokens": prompt.numel(),
-              "max_new_tokens": n_new, "pairs": args.pairs,
-              "static": {"width": args.static_width, "K": args.static_k, "depth": args.static_depth},
-              "methods": rows}
+              "dtype": str(dtype).replace("torch.", ""), "linear": args.linear, "max_new_tokens": n_new,
+              "pairs": args.pairs, "decoder": {"method": args.method, "budget": budget, "lookup": args.lookup},
+              "static": {"width": args.static_width, "K": args.static_k, "depth": args.static_depth,
+                         "cache_slots": longest + n_new},
+              "compile_s": compile_s, "sets": per_set}
+    if len(per_set) > 1:
+        result["mean"] = {name: {key: round(statistics.mean(s[name][key] for s in per_set.values()), 3)
+                                 for key in ("speedup_vs_ar", "speedup_vs_static_ar", "tau")} for name in runs}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -45,6 +45,57 @@ def test_static_plain_steps_equal_greedy_decoding():
     assert stats["tau"] == 1.0
 
 
+def test_adaptive_decoding_is_lossless_and_switches():
+    """adaptive=True mixes rounds and plain steps (a random drafter's rounds lose to plain steps
+    here, an oracle's win); the output is the target's greedy output either way."""
+    target = tiny_target()
+    prompts = _prompts(97)
+    refs = [greedy_reference(target, p, 30) for p in prompts]
+    for drafter in (tiny_drafter(target),
+                    LookupDrafter(tiny_drafter(target), [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)):
+        rnd = StaticRound(target, drafter, max_length=80, batch_size=2, budget=8, width=3, K=4)
+        out, stats = rnd.generate(prompts, 30, adaptive=True)
+        for got, ref in zip(out, refs):
+            assert torch.equal(got, ref)
+        assert stats["rounds"] >= 1 and stats["plain_steps"] >= 1, stats  # the first round is followed by one
+
+
+def test_plain_steps_keep_the_drafter_context():
+    """Plain steps with context=True leave the drafter's context as a prefill of the longer
+    prompt would (float32: up to rounding)."""
+    target = tiny_target()
+    prompt = _prompts(97, (9,))[0]
+    rnd = StaticRound(target, tiny_drafter(target), max_length=40, batch_size=1, budget=4)
+    rnd.prefill([prompt])
+    new = [int(rnd.plain_step(context=True)[0][0, 0]) for _ in range(5)]
+    stepped = [kv.clone() for kv in rnd.context_kv]
+    length = int(rnd.length[0])
+    rnd.prefill([torch.cat([prompt, torch.tensor(new)])])
+    assert int(rnd.length[0]) == length
+    for a, b in zip(stepped, rnd.context_kv):
+        torch.testing.assert_close(a[:, :length], b[:, :length], atol=1e-5, rtol=1e-5)
+
+
+def test_pacer_backs_off_and_probes():
+    from dartree_ext.decoding.static_round import _Pacer
+    pacer = _Pacer()
+    assert pacer.round_next()
+    pacer.observe(True, 2.0, 1.0)         # 2 tokens in 1 s
+    assert not pacer.round_next()         # one plain step to measure
+    pacer.observe(False, 1.0, 0.25)       # 4 tokens/s plain: rounds lose
+    for _ in range(pacer.MIN_ROUNDS - 2):  # but no back-off before MIN_ROUNDS rounds
+        assert pacer.round_next()
+        pacer.observe(True, 2.0, 1.0)
+    assert pacer.round_next()
+    pacer.observe(True, 2.0, 1.0)
+    assert [pacer.round_next() for _ in range(2)] == [False, True]         # back off 1
+    pacer.observe(True, 2.0, 1.0)
+    assert [pacer.round_next() for _ in range(3)] == [False, False, True]  # then 2
+    for _ in range(3):
+        pacer.observe(True, 60.0, 1.0)    # rounds that pay: the average tokens climb over 4
+    assert pacer.backoff == 0 and pacer.round_next()
+
+
 def test_static_round_stops_at_eos_and_reuses_its_buffers():
     target = tiny_target()
     prompts = _prompts(97)
@@ -73,6 +124,21 @@ def test_compiled_round_equals_eager_round():
         assert torch.equal(e, greedy_reference(target, p, 20))
     assert eager_stats == compiled_stats
     assert eager_stats["tau"] > 1.2, eager_stats  # paths were accepted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_round_on_cuda_equals_eager(mode):
+    """On a GPU the compiled round (and, with "reduce-overhead", its CUDA graph) gives the eager
+    round's tokens."""
+    target = tiny_target(vocab=8, hidden=32, layers=2).cuda()
+    drafter = tiny_drafter(target).cuda()
+    prompts = [p.cuda() for p in _prompts(8)]
+    rnd = StaticRound(target, drafter, max_length=64, batch_size=2, budget=6, width=4, K=4)
+    eager, _ = rnd.generate(prompts, 20)
+    compiled, _ = rnd.generate(prompts, 20, compile=True, mode=mode)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
 
 
 def test_gumbel_noise_samples_the_tempered_softmax():

@@ -26,6 +26,7 @@ end, where the rows of a path past its accepted length are written and never rea
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 
@@ -87,6 +88,8 @@ class StaticRound(torch.nn.Module):
         self.pad = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
         self.root = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
         self.write = torch.zeros((), dtype=torch.int64, device=ddev)
+        for t in self.context_kv + [self.valid, self.length, self.pad, self.root, self.write]:
+            torch._dynamo.mark_static_address(t)  # updated in place: fixed addresses for CUDA graphs
         self._no_context = drafter.empty_context(batch_size)
         self._root_state = torch.zeros(batch_size, self.head.w_s.shape[1], dtype=self.head.w_s.dtype, device=ddev)
         self._compiled = {}
@@ -193,19 +196,21 @@ class StaticRound(torch.nn.Module):
             self.write.copy_(self.length.max())
         return tokens, lengths
 
-    def plain_step(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One plain decoding step on the same caches (the baseline a round is measured against:
-        no drafter pass, one token per row). ``noise float32[B, 1, V]`` as in :meth:`forward`.
-        Returns ``tokens int64[B, 1]`` and ``count int64[B]`` (ones). The drafter's context is
-        not kept up, so a decode uses either this or :meth:`forward` throughout."""
+    def plain_step(self, noise: torch.Tensor | None = None, context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One plain decoding step on the same caches: no drafter pass, one token per row.
+        ``noise float32[B, 1, V]`` as in :meth:`forward`. ``context``: also add the step's token
+        to the drafter's context (the target's hidden states at it), so rounds can follow;
+        without it a decode uses plain steps throughout (the baseline a round is measured
+        against). Returns ``tokens int64[B, 1]`` and ``count int64[B]`` (ones)."""
         size, batch = self.max_length, self.batch_size
         with torch.no_grad():
             slots = self.write[None]
+            position = self.length - self.pad
             visible = self.valid[:, :size].index_fill(1, slots, True)
             self._set_write(self.write)
             out = self.target(input_ids=self.root[:, None], attention_mask=_additive_mask(visible, self.dtype)[:, None, None],
-                              position_ids=(self.length - self.pad)[:, None], cache_position=slots, use_cache=True,
-                              **self._cache_arg())
+                              position_ids=position[:, None], cache_position=slots, use_cache=True,
+                              output_hidden_states=context, **self._cache_arg())
             logits = out.logits[:, -1:].float()
             if noise is not None:
                 logits = logits + noise
@@ -213,70 +218,139 @@ class StaticRound(torch.nn.Module):
             ones = torch.ones(batch, dtype=torch.int64, device=tokens.device)
             src = self.write.expand(batch)[:, None].contiguous()
             ops.compact_kv_layers_(self._cache_tensors, src, self.length, ones.to(torch.int32))
-            self.valid.index_put_((torch.arange(batch, device=tokens.device), self.length), ones.bool())
+            rows = torch.arange(batch, device=tokens.device)
+            if context:
+                vectors = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
+                for buf, kv in zip(self.context_kv, self.drafter.context_kv(vectors, position[:, None])):
+                    buf.index_put_((rows, self.length), kv[:, 0].to(buf.dtype))
+            self.valid.index_put_((rows, self.length), ones.bool())
             self.length.add_(ones)
             self.root.copy_(tokens[:, 0])
             self.write.copy_(self.length.max())
         return tokens, ones
 
+    def _plain_with_context(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plain_step(noise, context=True)
+
+    def _step(self, kind: str, compile: bool, mode: str | None):
+        """The function of a step kind ("round", "plain", "plain+context"), compiled or not."""
+        fn = {"round": self.forward, "plain": self.plain_step, "plain+context": self._plain_with_context}[kind]
+        if not compile:
+            return fn
+        if (mode, kind) not in self._compiled:
+            self._compiled[(mode, kind)] = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+        return self._compiled[(mode, kind)]
+
     def compiled(self, mode: str | None = None, plain: bool = False):
         """:meth:`forward` (or :meth:`plain_step`) under ``torch.compile(fullgraph=True)``
         (``mode``: e.g. ``"reduce-overhead"`` for CUDA graphs on a GPU), compiled once per
-        (mode, plain) and shape."""
-        key = (mode, plain)
-        if key not in self._compiled:
-            fn = self.plain_step if plain else self.forward
-            self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
-        return self._compiled[key]
+        (mode, function) and shape."""
+        return self._step("plain" if plain else "round", True, mode)
 
     # driving it ---------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
                  generator: torch.Generator | None = None, compile: bool = False, mode: str | None = None,
-                 eos_token_id: int | None = None, plain: bool = False) -> tuple[list[torch.Tensor], dict]:
+                 eos_token_id: int | None = None, plain: bool = False,
+                 adaptive: bool = False) -> tuple[list[torch.Tensor], dict]:
         """Decode every prompt for ``max_new_tokens`` tokens (fewer at ``eos_token_id``, which is
-        kept). Returns the new tokens per prompt and ``{"rounds", "tau"}`` (tokens per round,
-        averaged over rows). ``compile``: run :meth:`compiled` rounds; ``plain``: plain steps
-        (:meth:`plain_step`) instead of rounds."""
+        kept). Returns the new tokens per prompt and ``{"rounds", "plain_steps", "tau"}`` (tau:
+        new tokens per call, rounds and plain steps together, averaged over rows).
+        ``compile``: compiled rounds and steps (:meth:`compiled`); ``plain``: plain steps only
+        (:meth:`plain_step`); ``adaptive``: a plain step instead of a round while rounds, by
+        their measured tokens per second, do not pay (:class:`_Pacer`: 1, 2, 4 ... 16 plain
+        steps, then a round again; the drafter's context is kept through them)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if plain and adaptive:
+            raise ValueError("plain=True runs plain steps only; adaptive=True chooses between them and rounds")
         self.prefill(prompts)
-        fn = self.compiled(mode, plain) if compile else self.plain_step if plain else self.forward
-        nodes = 1 if plain else self.nodes
         vocab = self.target.get_output_embeddings().weight.shape[0]
         out: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        rounds = [0] * len(prompts)
+        calls = [0] * len(prompts)
+        counts = {"round": 0, "plain": 0}
         write = int(self.write)
-        checked = False  # a compiled round has run once, with its guards, in this call
+        checked: set[str] = set()  # step kinds that have run once, with their guards, in this call
+        pacer = _Pacer() if adaptive else None
         while not all(done):
+            kind = "plain" if plain else "round" if pacer is None or pacer.round_next() else "plain+context"
+            nodes = self.nodes if kind == "round" else 1
             if write + nodes > self.max_length:
                 raise RuntimeError(f"the cache is full ({self.max_length} slots): raise max_length")
             noise = None
             if temperature > 0:
                 noise = gumbel_noise((self.batch_size, nodes, vocab), temperature, generator, self.device)
             args = () if noise is None else (noise,)
-            if compile and checked:
+            fn = self._step(kind, compile, mode)
+            start = time.perf_counter()
+            if compile and kind in checked:
                 tokens, count = _unguarded(fn, args)
             else:
                 tokens, count = fn(*args)
-                checked = compile
-            # one device-to-host read a round: the new tokens, their counts and the next write slot
+            # one device-to-host read a call: the new tokens, their counts and the next write slot
             host = torch.cat([count[:, None], tokens, self.write.expand(self.batch_size)[:, None]], 1).tolist()
+            seconds = time.perf_counter() - start
             write = host[0][-1]
-            for b, row in enumerate(host):
-                if done[b]:
-                    continue
-                rounds[b] += 1
-                for tok in row[1:1 + row[0]]:
+            live = [b for b in range(len(host)) if not done[b]]
+            if pacer is not None and (kind in checked or not compile):  # a first compiled call compiles
+                pacer.observe(kind == "round", sum(host[b][0] for b in live) / len(live), seconds)
+            checked.add(kind)
+            counts["round" if kind == "round" else "plain"] += 1
+            for b in live:
+                calls[b] += 1
+                for tok in host[b][1:1 + host[b][0]]:
                     out[b].append(tok)
                     if len(out[b]) >= max_new_tokens or tok == eos_token_id:
                         done[b] = True
                         break
-        tau = sum(len(o) for o in out) / max(1, sum(rounds))
-        return [torch.tensor(o, dtype=torch.int64) for o in out], {"rounds": max(rounds), "tau": tau}
+        tau = sum(len(o) for o in out) / max(1, sum(calls))
+        return ([torch.tensor(o, dtype=torch.int64) for o in out],
+                {"rounds": counts["round"], "plain_steps": counts["plain"], "tau": tau})
+
+
+class _Pacer:
+    """``generate(adaptive=True)``'s choice between a round and a plain step. It keeps running
+    averages of a round's new tokens (weight 0.15: one round's count is noisy), of a round's
+    time and of a plain step's (weight 0.3). Once ``MIN_ROUNDS`` rounds are seen, a round whose
+    averages give fewer tokens per second than plain steps starts a back-off: the next 1, 2, 4
+    ... 16 calls are plain steps (doubling while rounds keep losing), then a round again. The
+    first round is followed by one plain step, to measure one."""
+
+    TOKENS_WEIGHT, TIME_WEIGHT, MAX_SKIP, MIN_ROUNDS = 0.15, 0.3, 16, 4
+
+    def __init__(self) -> None:
+        self.tokens: float | None = None
+        self.round_s: float | None = None
+        self.plain_s: float | None = None
+        self.rounds = self.skip = self.backoff = 0
+
+    def round_next(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def observe(self, was_round: bool, tokens: float, seconds: float) -> None:
+        if not was_round:
+            self.plain_s = _running(self.plain_s, seconds, self.TIME_WEIGHT)
+            return
+        self.rounds += 1
+        self.tokens = _running(self.tokens, tokens, self.TOKENS_WEIGHT)
+        self.round_s = _running(self.round_s, seconds, self.TIME_WEIGHT)
+        if self.plain_s is None:
+            self.skip = 1  # measure a plain step once
+        elif self.rounds >= self.MIN_ROUNDS and self.tokens / self.round_s < 1.0 / self.plain_s:
+            self.backoff = min(self.MAX_SKIP, max(1, 2 * self.backoff))
+            self.skip = self.backoff
+        else:
+            self.backoff = 0
+
+
+def _running(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _unguarded(fn, args: tuple):
