@@ -24,6 +24,22 @@ def test_generate_cli(capsys):
     assert summary["dtype"] == "float32" and summary["budget"] == 16
 
 
+def test_generate_cli_compiled(capsys):
+    """--compile: StaticRound's compiled rounds, and compiled plain decoding as the baseline;
+    float32, so the outputs are equal."""
+    assert generate_main(["--target", "tiny", "--max-new-tokens", "6", "--compile", "--compare-ar", "--repeats", "1",
+                          "--dtype", "float32", "--linear", "torch"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.rindex("\n{\n") + 1:])
+    assert summary["engine"] == "StaticRound, compiled" and summary["budget"] == 8
+    assert summary["same_output_as_compiled_ar"] is True
+    assert summary["speedup_vs_compiled_ar"] > 0
+    with pytest.raises(SystemExit):
+        generate_main(["--target", "tiny", "--compile", "--method", "ddtree"])
+    with pytest.raises(SystemExit):
+        generate_main(["--target", "tiny", "--compile", "--top-k", "5"])
+
+
 def test_generate_cli_defaults_auto_budget_and_dtype(tmp_path, monkeypatch, capsys):
     """The defaults: the dtype measured here, each round's tree sized by the cost model (both
     measured once and cached under $DARTREE_CACHE/cost), compared with plain decoding and HF."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -251,10 +252,10 @@ class StaticRound(torch.nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
                  generator: torch.Generator | None = None, compile: bool = False, mode: str | None = None,
-                 eos_token_id: int | None = None, plain: bool = False,
+                 eos_token_id: int | Sequence[int] | None = None, plain: bool = False,
                  adaptive: bool = False) -> tuple[list[torch.Tensor], dict]:
-        """Decode every prompt for ``max_new_tokens`` tokens (fewer at ``eos_token_id``, which is
-        kept). Returns the new tokens per prompt and ``{"rounds", "plain_steps", "tau"}`` (tau:
+        """Decode every prompt for ``max_new_tokens`` tokens (fewer at a stop token in
+        ``eos_token_id``, an id or several, which is kept). Returns the new tokens per prompt and ``{"rounds", "plain_steps", "tau"}`` (tau:
         new tokens per call, rounds and plain steps together, averaged over rows).
         ``compile``: compiled rounds and steps (:meth:`compiled`); ``plain``: plain steps only
         (:meth:`plain_step`); ``adaptive``: a plain step instead of a round while rounds, by
@@ -266,6 +267,7 @@ class StaticRound(torch.nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if plain and adaptive:
             raise ValueError("plain=True runs plain steps only; adaptive=True chooses between them and rounds")
+        stops = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         self.prefill(prompts)
         vocab = self.target.get_output_embeddings().weight.shape[0]
         out: list[list[int]] = [[] for _ in prompts]
@@ -303,7 +305,7 @@ class StaticRound(torch.nn.Module):
                 calls[b] += 1
                 for tok in host[b][1:1 + host[b][0]]:
                     out[b].append(tok)
-                    if len(out[b]) >= max_new_tokens or tok == eos_token_id:
+                    if len(out[b]) >= max_new_tokens or tok in stops:
                         done[b] = True
                         break
         tau = sum(len(o) for o in out) / max(1, sum(calls))
