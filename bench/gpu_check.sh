@@ -44,6 +44,10 @@ if [ "${SMOLLM2:-1}" != 0 ]; then
   if python -c "from dartree_ext.data.smollm2 import smollm2_path; smollm2_path()" > smollm2_check.log 2>&1; then
     mkdir -p gpu_results
     OUT=gpu_results DEVICE=cuda bash bench/smollm2_tables.sh t0
+    echo "== the compiled round (StaticRound) with CUDA graphs vs plain decoding compiled the same way"
+    python bench/static_round.py --device cuda --dtype bfloat16 --mode reduce-overhead --no-adaptive \
+      --sets gsm8k,humaneval,mtbench --num-prompts 3 --pairs 2 --json gpu_results/static_round.json \
+      || echo "BENCH FAILED: static_round"
   else
     echo "skipped: the SmolLM2 target is not available here ($(tail -1 smollm2_check.log))"
   fi

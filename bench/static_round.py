@@ -18,7 +18,9 @@ decoder's plain decoding) and over the pair's `static ar` (eager or compiled lik
 like-for-like baseline of a compiled round). Greedy (T = 0): every output is compared with
 `ar`'s and with its `static ar`'s (in bfloat16 a static cache and a compiled forward round
 differently from the decoder's, so a near-tie can flip between them; float32 outputs are equal,
-as the tests check). Every method decodes exactly --max-new-tokens tokens here (no stop token).
+as the tests check). Every method decodes exactly --max-new-tokens tokens here (no stop token). At --temperature
+T > 0 (no top-k / top-p) each decode draws from a generator seeded with --seed, and the
+outputs are samples: their comparisons say nothing.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--static-k", type=int, default=8, help="K of the static rounds")
     parser.add_argument("--static-depth", type=int, default=6, help="drafted positions of the static rounds")
     parser.add_argument("--no-adaptive", action="store_true", help="no adaptive=True static methods")
+    parser.add_argument("--mode", default=None, help="torch.compile mode of the compiled static methods "
+                        "(reduce-overhead: CUDA graphs on a GPU)")
     parser.add_argument("--pairs", type=int, default=3, help="timed passes over every method, per prompt")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
@@ -71,8 +75,10 @@ def main() -> None:
 
         def go(prompt):
             ids, mask = left_pad([prompt])
+            gen = torch.Generator(device=args.device).manual_seed(args.seed)
             start = time.perf_counter()
-            out = dec.generate(ids, mask, max_new_tokens=n_new)
+            out = dec.generate(ids.to(args.device), mask.to(args.device), max_new_tokens=n_new,
+                               temperature=args.temperature, generator=gen)
             return out.sequences[0, ids.shape[1]:], time.perf_counter() - start, out.stats.tau
         return go
 
@@ -83,8 +89,11 @@ def main() -> None:
         for adaptive in ((False,) if b == 0 or args.no_adaptive else (False, True)):
             for compiled in (False, True):
                 def go(prompt, rnd=rnd, compiled=compiled, plain=b == 0, adaptive=adaptive):
+                    gen = torch.Generator(device=args.device).manual_seed(args.seed)
                     start = time.perf_counter()
-                    toks, stats = rnd.generate([prompt], n_new, compile=compiled, plain=plain, adaptive=adaptive)
+                    toks, stats = rnd.generate([prompt.to(args.device)], n_new, compile=compiled, plain=plain,
+                                               adaptive=adaptive, temperature=args.temperature, generator=gen,
+                                               mode=args.mode)
                     return toks[0], time.perf_counter() - start, stats["tau"]
                 name = "static ar" if b == 0 else f"static B={b}" + (" adaptive" if adaptive else "")
                 runs[name + (" compiled" if compiled else "")] = go
@@ -114,8 +123,8 @@ def main() -> None:
                     [a / m for a, m in zip(times[static_ar], times[name])]))
                 row["tau"].append(taus[name])
                 ar = outputs["ar"]
-                row["same"].append(bool(torch.equal(outputs[name], ar)))
-                row["same_static"].append(bool(torch.equal(outputs[name], outputs[static_ar])))
+                row["same"].append(bool(torch.equal(outputs[name].cpu(), ar.cpu())))
+                row["same_static"].append(bool(torch.equal(outputs[name].cpu(), outputs[static_ar].cpu())))
                 if "compiled" in name:
                     eager = name.replace(" compiled", "")
                     row["vs_eager"].append(statistics.median([e / c for e, c in zip(times[eager], times[name])]))

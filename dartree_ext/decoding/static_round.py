@@ -13,8 +13,9 @@ What it leaves to :class:`~dartree_ext.decoding.SpeculativeDecoder`: the automat
 (a tree size chosen per round needs a host decision), the context-lookup branch, early exit,
 the other methods, top-k / top-p sampling, and retiring finished rows (a static batch keeps
 them, and their tokens are dropped). Greedy decoding (T = 0) takes the target's argmax;
-``temperature > 0`` samples by the Gumbel-max trick from noise drawn outside the round
-(an exact sample of ``softmax(logits / T)``, so verification stays lossless).
+``temperature > 0`` samples each node's token from ``softmax(logits / T)`` by inverting its
+distribution function at a uniform number drawn outside the round (:func:`sample_tokens`), so
+verification stays lossless and the round's randomness comes from the caller's generator.
 
 Cache layout. Slot ``j`` of row ``b`` of the target's static cache (and of the drafter's
 context keys/values) holds a committed token for ``pad[b] <= j < length[b]``. A round writes
@@ -60,6 +61,7 @@ class StaticRound(torch.nn.Module):
             raise ValueError(f"depth must be in [1, {block}] (the drafter's block minus the root), got {depth}")
         if budget < 1 or width < 1 or K < 1:
             raise ValueError(f"need budget, width and K >= 1, got budget={budget}, width={width}, K={K}")
+        depth_widths(width, depth)  # raises on a bad width
         if batch_size < 1 or max_length < budget + 2:
             raise ValueError(f"need batch_size >= 1 and max_length >= budget + 2, got {batch_size} and {max_length}")
         self.target, self.drafter = target, drafter
@@ -96,7 +98,6 @@ class StaticRound(torch.nn.Module):
         self._compiled = {}
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        depth_widths(width, depth)  # raises on a bad width
         self.nodes = budget + 1  # root + tree nodes a round verifies (the pruned tree's columns)
 
     # prefill ------------------------------------------------------------------------------
@@ -148,9 +149,10 @@ class StaticRound(torch.nn.Module):
             layer.cumulative_length.copy_(write)
 
     # the round ----------------------------------------------------------------------------
-    def forward(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One round. ``noise float32[B, N, V]``: Gumbel noise for sampling (``logits / T`` plus
-        it; ``None`` is greedy). Returns ``tokens int64[B, W]`` (the accepted draft tokens, then
+    def forward(self, uniform: torch.Tensor | None = None,
+                temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round. ``uniform float32[B, N]`` in [0, 1) and ``temperature`` (a 0-d tensor):
+        sample the target's token at each node (:func:`sample_tokens`); ``None``: greedy. Returns ``tokens int64[B, W]`` (the accepted draft tokens, then
         the bonus token) and ``count int64[B]`` (how many of them are new: accepted + 1)."""
         size, batch = self.max_length, self.batch_size
         drafter = self.drafter
@@ -169,10 +171,7 @@ class StaticRound(torch.nn.Module):
             out = self.target(input_ids=tree.tokens, attention_mask=mask,
                               position_ids=position[:, None] + tree.depths.clamp(min=0).long(),
                               cache_position=slots, use_cache=True, output_hidden_states=True, **self._cache_arg())
-            logits = out.logits.float()
-            if noise is not None:
-                logits = logits + noise
-            target_tokens = logits.argmax(-1)
+            target_tokens = sample_tokens(out.logits, uniform, temperature)
             accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
             width = min(n, self.depth + 1)
             lengths = accept_len.long() + 1
@@ -197,9 +196,10 @@ class StaticRound(torch.nn.Module):
             self.write.copy_(self.length.max())
         return tokens, lengths
 
-    def plain_step(self, noise: torch.Tensor | None = None, context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def plain_step(self, uniform: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                   context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One plain decoding step on the same caches: no drafter pass, one token per row.
-        ``noise float32[B, 1, V]`` as in :meth:`forward`. ``context``: also add the step's token
+        ``uniform float32[B, 1]`` and ``temperature`` as in :meth:`forward`. ``context``: also add the step's token
         to the drafter's context (the target's hidden states at it), so rounds can follow;
         without it a decode uses plain steps throughout (the baseline a round is measured
         against). Returns ``tokens int64[B, 1]`` and ``count int64[B]`` (ones)."""
@@ -212,10 +212,7 @@ class StaticRound(torch.nn.Module):
             out = self.target(input_ids=self.root[:, None], attention_mask=_additive_mask(visible, self.dtype)[:, None, None],
                               position_ids=position[:, None], cache_position=slots, use_cache=True,
                               output_hidden_states=context, **self._cache_arg())
-            logits = out.logits[:, -1:].float()
-            if noise is not None:
-                logits = logits + noise
-            tokens = logits.argmax(-1)
+            tokens = sample_tokens(out.logits[:, -1:], uniform, temperature)
             ones = torch.ones(batch, dtype=torch.int64, device=tokens.device)
             src = self.write.expand(batch)[:, None].contiguous()
             ops.compact_kv_layers_(self._cache_tensors, src, self.length, ones.to(torch.int32))
@@ -230,8 +227,9 @@ class StaticRound(torch.nn.Module):
             self.write.copy_(self.length.max())
         return tokens, ones
 
-    def _plain_with_context(self, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.plain_step(noise, context=True)
+    def _plain_with_context(self, uniform: torch.Tensor | None = None,
+                            temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plain_step(uniform, temperature, context=True)
 
     def _step(self, kind: str, compile: bool, mode: str | None):
         """The function of a step kind ("round", "plain", "plain+context"), compiled or not."""
@@ -269,7 +267,7 @@ class StaticRound(torch.nn.Module):
             raise ValueError("plain=True runs plain steps only; adaptive=True chooses between them and rounds")
         stops = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         self.prefill(prompts)
-        vocab = self.target.get_output_embeddings().weight.shape[0]
+        temper = torch.tensor(float(temperature), device=self.device)
         out: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         calls = [0] * len(prompts)
@@ -282,10 +280,9 @@ class StaticRound(torch.nn.Module):
             nodes = self.nodes if kind == "round" else 1
             if write + nodes > self.max_length:
                 raise RuntimeError(f"the cache is full ({self.max_length} slots): raise max_length")
-            noise = None
+            args = ()
             if temperature > 0:
-                noise = gumbel_noise((self.batch_size, nodes, vocab), temperature, generator, self.device)
-            args = () if noise is None else (noise,)
+                args = (torch.rand(self.batch_size, nodes, generator=generator, device=self.device), temper)
             fn = self._step(kind, compile, mode)
             start = time.perf_counter()
             if compile and kind in checked:
@@ -369,11 +366,16 @@ def _unguarded(fn, args: tuple):
         return fn(*args)
 
 
-def gumbel_noise(shape: tuple[int, ...], temperature: float, generator: torch.Generator | None = None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """``temperature`` times standard Gumbel noise, float32 of ``shape``: ``argmax(logits + noise)``
-    is a sample of ``softmax(logits / temperature)`` (the Gumbel-max trick), so a round can sample
-    with its noise drawn outside it."""
-    u = torch.rand(shape, generator=generator, device=device)
-    exponential = (-torch.log(u.clamp(min=1e-20))).clamp(min=1e-20)  # u in [0, 1): -log u > 0
-    return -torch.log(exponential) * temperature
+def sample_tokens(logits: torch.Tensor, uniform: torch.Tensor | None = None,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's token at each position of ``logits [..., V]``: the argmax when ``uniform`` is
+    None, else a sample of ``softmax(logits / temperature)`` -- the first token whose cumulative
+    probability exceeds ``uniform [...]`` (in [0, 1)) times the total, so that one uniform
+    number per position, drawn by the caller, is all the randomness (no generator inside a
+    compiled graph). Ties and the float32 sum's rounding aside, exact."""
+    if uniform is None:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    cdf = probs.cumsum(-1)
+    point = (uniform * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
