@@ -143,7 +143,7 @@ def main() -> None:
               "dtype": str(dtype).replace("torch.", ""), "linear": args.linear, "max_new_tokens": n_new,
               "pairs": args.pairs, "decoder": {"method": args.method, "budget": budget, "lookup": args.lookup},
               "static": {"width": args.static_width, "K": args.static_k, "depth": args.static_depth,
-                         "cache_slots": longest + n_new},
+                         "cache_slots": {f"B={b}": longest + n_new + b + 2 for b in budgets}},
               "compile_s": compile_s, "sets": per_set}
     if len(per_set) > 1:
         result["mean"] = {name: {key: round(statistics.mean(s[name][key] for s in per_set.values()), 3)

@@ -185,6 +185,8 @@ def build_generate_parser() -> argparse.ArgumentParser:
                              "budget (--budget, 8 for auto; W = 4, K = 8, 6 drafted positions) on a static cache; "
                              "no lookup branch, top-k or top-p. With "
                              "--compare-ar the baseline is plain decoding compiled the same way")
+    parser.add_argument("--compile-mode", default=None,
+                        help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs on a GPU)")
     return parser
 
 
@@ -342,6 +344,8 @@ def _generate_compiled(args, parser, target, tok, drafter, dtype, texts, stops) 
         parser.error(f"--compile runs dartree rounds (StaticRound), not --method {args.method}")
     if args.top_k is not None or args.top_p is not None:
         parser.error("--compile samples the whole softmax: no --top-k / --top-p")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.lookup:
         log.info("--compile: no context-lookup branch (it needs the host every round)")
     prompts = [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64, device=args.device)
@@ -349,6 +353,7 @@ def _generate_compiled(args, parser, target, tok, drafter, dtype, texts, stops) 
     cfg = dict(STATIC_DEFAULTS)
     if args.budget != "auto":
         cfg["budget"] = int(args.budget)
+    cfg["depth"] = min(cfg["depth"], drafter.config.block_size - 1)  # a drafter with a shorter block
     size = max(p.numel() for p in prompts) + args.max_new_tokens + cfg["budget"] + 2
     rnd = StaticRound(target, drafter, max_length=size, batch_size=len(prompts), **cfg)
 
@@ -356,7 +361,7 @@ def _generate_compiled(args, parser, target, tok, drafter, dtype, texts, stops) 
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
         start = time.perf_counter()
         tokens, stats = rnd.generate(prompts, args.max_new_tokens, temperature=args.temperature, generator=gen,
-                                     compile=True, eos_token_id=stops, plain=plain)
+                                     compile=True, mode=args.compile_mode, eos_token_id=stops, plain=plain)
         return tokens, stats, time.perf_counter() - start
 
     start = time.perf_counter()

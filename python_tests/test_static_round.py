@@ -19,7 +19,7 @@ def _prompts(vocab: int, lengths=(7, 12), seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
 
 
-@pytest.mark.parametrize("lengths", [(7, 12), (1, 5), (9,)])
+@pytest.mark.parametrize("lengths", [(7, 12), (1, 5), (1,), (9,)])
 def test_static_round_is_lossless_with_long_accepted_paths(lengths):
     """An oracle drafter gets long paths accepted, so compaction moves many entries per round
     (left padding and the gap before a shorter row's tree included); greedy output equals the
@@ -35,6 +35,19 @@ def test_static_round_is_lossless_with_long_accepted_paths(lengths):
     assert stats["tau"] > 2.0, stats  # the oracle must be accepted, or compaction went untested
 
 
+def test_finished_rows_stop_moving_the_write_slot():
+    """Rows that accept very differently (an oracle for one row only): a finished row's caches
+    freeze, so a cache sized longest prompt - 1 + max_new_tokens + B holds the decode."""
+    target = tiny_target()
+    prompts = _prompts(97, (7, 7), seed=3)
+    refs = [greedy_reference(target, p, 24) for p in prompts]
+    oracle = LookupDrafter(tiny_drafter(target), [torch.cat([prompts[0], refs[0]])], miss=0.0)
+    rnd = StaticRound(target, oracle, max_length=6 + 24 + 8, batch_size=2, budget=8, width=3, K=4)
+    out, _ = rnd.generate(prompts, 24)
+    for got, ref in zip(out, refs):
+        assert torch.equal(got, ref)
+
+
 def test_static_plain_steps_equal_greedy_decoding():
     target = tiny_target()
     prompts = _prompts(97)
@@ -46,8 +59,9 @@ def test_static_plain_steps_equal_greedy_decoding():
 
 
 def test_adaptive_decoding_is_lossless_and_switches():
-    """adaptive=True mixes rounds and plain steps (a random drafter's rounds lose to plain steps
-    here, an oracle's win); the output is the target's greedy output either way."""
+    """adaptive=True mixes rounds and plain steps (which it picks depends on timings, so only
+    the forced first plain step is asserted); the output is the target's greedy output for a
+    random drafter and an oracle alike."""
     target = tiny_target()
     prompts = _prompts(97)
     refs = [greedy_reference(target, p, 30) for p in prompts]

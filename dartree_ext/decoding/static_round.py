@@ -42,8 +42,8 @@ from .decoder import _additive_mask, _text_config
 
 class StaticRound(torch.nn.Module):
     """``target`` (a transformers causal LM) with a :class:`BlockDrafter`; ``batch_size`` rows of
-    at most ``max_length`` cache slots (prompt and generated tokens, plus one tree's B + 1
-    nodes). ``budget``, ``width``, ``K``, ``depth_bonus``: :func:`build_dartree`'s B, W, K and
+    ``max_length`` cache slots (the longest prompt + ``max_new_tokens`` + B hold any decode:
+    finished rows stop growing). ``budget``, ``width``, ``K``, ``depth_bonus``: :func:`build_dartree`'s B, W, K and
     beta; ``depth``: drafted positions (default: the drafter's block minus the root)."""
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter, *, max_length: int, batch_size: int = 1,
@@ -91,7 +91,8 @@ class StaticRound(torch.nn.Module):
         self.pad = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
         self.root = torch.zeros(batch_size, dtype=torch.int64, device=ddev)
         self.write = torch.zeros((), dtype=torch.int64, device=ddev)
-        for t in self.context_kv + [self.valid, self.length, self.pad, self.root, self.write]:
+        self.live = torch.ones(batch_size, dtype=torch.bool, device=ddev)  # rows still decoding
+        for t in self.context_kv + [self.valid, self.length, self.pad, self.root, self.write, self.live]:
             torch._dynamo.mark_static_address(t)  # updated in place: fixed addresses for CUDA graphs
         self._no_context = drafter.empty_context(batch_size)
         self._root_state = torch.zeros(batch_size, self.head.w_s.shape[1], dtype=self.head.w_s.dtype, device=ddev)
@@ -118,6 +119,7 @@ class StaticRound(torch.nn.Module):
         for t in self._cache_tensors + self.context_kv:
             t.zero_()
         self.valid.zero_()
+        self.live.fill_(True)
         self.pad.copy_(pad)
         self.length.fill_(prefix)
         self.write.fill_(prefix)
@@ -152,8 +154,10 @@ class StaticRound(torch.nn.Module):
     def forward(self, uniform: torch.Tensor | None = None,
                 temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One round. ``uniform float32[B, N]`` in [0, 1) and ``temperature`` (a 0-d tensor):
-        sample the target's token at each node (:func:`sample_tokens`); ``None``: greedy. Returns ``tokens int64[B, W]`` (the accepted draft tokens, then
-        the bonus token) and ``count int64[B]`` (how many of them are new: accepted + 1)."""
+        sample the target's token at each node (:func:`sample_tokens`); ``None``: greedy.
+        Returns ``tokens int64[B, P]`` (P = min(budget, depth) + 1: the accepted draft tokens,
+        then the bonus token) and ``count int64[B]`` (how many of them are new: accepted + 1).
+        Rows no longer ``live`` (finished) leave their caches as they are."""
         size, batch = self.max_length, self.batch_size
         drafter = self.drafter
         position = self.length - self.pad
@@ -174,11 +178,13 @@ class StaticRound(torch.nn.Module):
             target_tokens = sample_tokens(out.logits, uniform, temperature)
             accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
             width = min(n, self.depth + 1)
-            lengths = accept_len.long() + 1
+            path_len = accept_len.long() + 1
+            lengths = torch.where(self.live, path_len, 0)  # a finished row's caches stay as they are
             step = torch.arange(width, device=lengths.device)
-            in_path = step[None] < lengths[:, None]
+            in_path = step[None] < path_len[:, None]
             nodes = accept_nodes[:, :width].long()
-            nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths - 1)[:, None]))
+            nodes = torch.where(in_path, nodes, nodes.gather(1, (path_len - 1)[:, None]))
+            in_path &= self.live[:, None]
             ops.compact_kv_layers_(self._cache_tensors, self.write + nodes, self.length, lengths.to(torch.int32))
             # the accepted path's context for the drafter (rows past a path go to the spare slot)
             feats = drafter.target_features(out.hidden_states)
@@ -192,9 +198,9 @@ class StaticRound(torch.nn.Module):
             path = tree.tokens.gather(1, nodes)
             tokens = torch.cat([path[:, 1:], bonus[:, None]], 1).scatter(1, accept_len.long()[:, None], bonus[:, None])
             self.length.add_(lengths)
-            self.root.copy_(bonus)
-            self.write.copy_(self.length.max())
-        return tokens, lengths
+            self.root.copy_(torch.where(self.live, bonus, self.root))
+            self.write.copy_(torch.where(self.live, self.length, 0).max())
+        return tokens, path_len
 
     def plain_step(self, uniform: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                    context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,17 +220,19 @@ class StaticRound(torch.nn.Module):
                               output_hidden_states=context, **self._cache_arg())
             tokens = sample_tokens(out.logits[:, -1:], uniform, temperature)
             ones = torch.ones(batch, dtype=torch.int64, device=tokens.device)
+            lengths = self.live.long()  # a finished row's caches stay as they are
             src = self.write.expand(batch)[:, None].contiguous()
-            ops.compact_kv_layers_(self._cache_tensors, src, self.length, ones.to(torch.int32))
+            ops.compact_kv_layers_(self._cache_tensors, src, self.length, lengths.to(torch.int32))
             rows = torch.arange(batch, device=tokens.device)
+            dst = torch.where(self.live, self.length, size)
             if context:
                 vectors = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
                 for buf, kv in zip(self.context_kv, self.drafter.context_kv(vectors, position[:, None])):
-                    buf.index_put_((rows, self.length), kv[:, 0].to(buf.dtype))
-            self.valid.index_put_((rows, self.length), ones.bool())
-            self.length.add_(ones)
-            self.root.copy_(tokens[:, 0])
-            self.write.copy_(self.length.max())
+                    buf.index_put_((rows, dst), kv[:, 0].to(buf.dtype))
+            self.valid.index_put_((rows, dst), self.live)
+            self.length.add_(lengths)
+            self.root.copy_(torch.where(self.live, tokens[:, 0], self.root))
+            self.write.copy_(torch.where(self.live, self.length, 0).max())
         return tokens, ones
 
     def _plain_with_context(self, uniform: torch.Tensor | None = None,
@@ -289,10 +297,9 @@ class StaticRound(torch.nn.Module):
                 tokens, count = _unguarded(fn, args)
             else:
                 tokens, count = fn(*args)
-            # one device-to-host read a call: the new tokens, their counts and the next write slot
-            host = torch.cat([count[:, None], tokens, self.write.expand(self.batch_size)[:, None]], 1).tolist()
+            # one device-to-host read a call: the new tokens, their counts and the write slot
+            host = torch.cat([count[:, None], tokens, self.length[:, None]], 1).tolist()
             seconds = time.perf_counter() - start
-            write = host[0][-1]
             live = [b for b in range(len(host)) if not done[b]]
             if pacer is not None and (kind in checked or not compile):  # a first compiled call compiles
                 pacer.observe(kind == "round", sum(host[b][0] for b in live) / len(live), seconds)
@@ -304,7 +311,12 @@ class StaticRound(torch.nn.Module):
                     out[b].append(tok)
                     if len(out[b]) >= max_new_tokens or tok in stops:
                         done[b] = True
+                        self.live[b] = False  # its caches stay; it no longer moves the write slot
                         break
+            live_lengths = [host[b][-1] for b in range(len(host)) if not done[b]]
+            if live_lengths and len(live_lengths) < len(live):  # a row finished: the write slot follows the rest
+                self.write.fill_(max(live_lengths))
+            write = max(live_lengths, default=write)
         tau = sum(len(o) for o in out) / max(1, sum(calls))
         return ([torch.tensor(o, dtype=torch.int64) for o in out],
                 {"rounds": counts["round"], "plain_steps": counts["plain"], "tau": tau})
@@ -354,9 +366,12 @@ def _running(old: float | None, new: float, weight: float) -> float:
 
 def _unguarded(fn, args: tuple):
     """``fn(*args)`` for a compiled ``fn`` whose guards passed on these same buffers earlier in
-    the call: without evaluating dynamo's guards again (about 2-3 ms a call for a 30-layer
-    target on a CPU). A call that would need a new graph raises before running anything; it
-    then runs with its guards."""
+    the call, without evaluating dynamo's guards again (2-3 ms a call for a 30-layer target on
+    a CPU). Safe only because nothing a guard reads (shapes, dtypes, devices, the module's
+    attributes, grad mode) changes within a ``generate`` call: with one compiled version of
+    ``fn``, torch runs it unchecked; with several, it checks only what tells them apart, and a
+    call matching none raises before running anything (it then runs with its guards). The
+    stance is process-wide: not for concurrent use from several threads."""
     try:
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return fn(*args)
