@@ -592,3 +592,15 @@ def test_build_cap_follows_recent_sizes(setup):
     out = check_greedy(dec, prompts, refs, NEW)                           # lossless with the cap in use
     assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
     assert caps[0] is None and caps[-1] is not None and caps[-1] <= 2 * 2 + 4
+
+
+def test_backoff_and_running_average_helpers():
+    from dartree_ext.decoding.cost import MAX_SKIP_ROUNDS, next_backoff, running_average
+    seq, b = [], 0
+    for _ in range(7):
+        b = next_backoff(b)
+        seq.append(b)
+    assert seq == [1, 2, 4, 8, 16, 16, 16] and MAX_SKIP_ROUNDS == 16
+    assert next_backoff(3, cap=5) == 5
+    assert running_average(None, 7.0, 0.2) == 7.0
+    assert running_average(10.0, 20.0, 0.2) == pytest.approx(12.0)

@@ -43,6 +43,7 @@ COST_MODEL_VERSION = 7  # 2: set-ups with few_rows_linear; 3: its bf16 kernel wi
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
+MAX_SKIP_ROUNDS = 16  # the longest run of plain steps between two drafts after losing ones
 
 
 def _check_curve(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:
@@ -74,6 +75,17 @@ def isotonic(values: Sequence[float], weights: Sequence[float] | None = None,
             v1, w1, n1 = blocks.pop()
             blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
     return [sign * v for v, _, n in blocks for _ in range(int(n))]
+
+
+def running_average(old: float | None, new: float, weight: float) -> float:
+    """``new`` at the first observation (``old`` None), then ``old`` moved by ``weight`` towards it."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+def next_backoff(backoff: int, cap: int = MAX_SKIP_ROUNDS) -> int:
+    """The plain steps to take after a draft that did not pay, when the last back-off was
+    ``backoff``: 1 the first time, then doubling while drafting keeps losing, at most ``cap``."""
+    return min(cap, max(1, 2 * backoff))
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

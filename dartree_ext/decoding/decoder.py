@@ -38,7 +38,8 @@ from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, select_requests_
-from .cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, cached_cost_model, choose_size
+from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, cached_cost_model, choose_size, next_backoff,
+                   running_average)
 from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
@@ -51,7 +52,6 @@ EAGLE3_EARLY_EXIT = 0.5  # eagle3_vh: the verification head's default threshold
 AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
 DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
 DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
-MAX_SKIP_ROUNDS = 16
 CALIBRATION_PRIOR_TRIALS = 32.0
 RUNNING_WEIGHT = 0.2  # budget="auto": a new round's weight in the running costs (_running_costs)
 OVERHEAD_WEIGHT = 0.1  # ... and in the running bookkeeping ms
@@ -322,11 +322,6 @@ class _Batch:
             self.context_kv = [kv[idx] for kv in self.context_kv]
         if idx.numel():
             select_requests_(self.cache, idx)
-
-
-def _running_average(old: float | None, new: float, weight: float = RUNNING_WEIGHT) -> float:
-    """``new`` at the first observation (``old`` None), then ``old`` moved by ``weight`` towards it."""
-    return new if old is None else (1 - weight) * old + weight * new
 
 
 class _Run:
@@ -673,9 +668,9 @@ class SpeculativeDecoder:
             return
         modelled = cost.verify(tree.tokens.shape[0] * tree.tokens.shape[1] - 1, state.cache_len)
         ratio = min(3.0, max(1 / 3, 1e3 * (verify_end - tree_end) / modelled))
-        self._verify_scale = _running_average(self._verify_scale, ratio)
+        self._verify_scale = running_average(self._verify_scale, ratio, RUNNING_WEIGHT)
         if drafted:
-            self._drafted_ms = _running_average(self._drafted_ms, 1e3 * (tree_end - round_start))
+            self._drafted_ms = running_average(self._drafted_ms, 1e3 * (tree_end - round_start), RUNNING_WEIGHT)
 
     def _build_cap(self) -> int | None:
         """budget="auto": the nodes a round's tree is built with, twice the largest size chosen
@@ -777,7 +772,7 @@ class SpeculativeDecoder:
             if bar is not None:
                 bar.update(sum(verdict.accepted) + len(verdict.accepted))
             end = run.tick("bookkeeping")
-            self._overhead_ms = _running_average(self._overhead_ms, 1e3 * (end - start), OVERHEAD_WEIGHT)
+            self._overhead_ms = running_average(self._overhead_ms, 1e3 * (end - start), OVERHEAD_WEIGHT)
             if predicted is not None:
                 run.stats.auto_rounds += 1
                 run.stats.predicted_tokens += predicted[0]
@@ -993,7 +988,7 @@ class SpeculativeDecoder:
             state.full_tree = tree
             tree, chosen = self.choose_tree(tree, state.cache_len, prob if self.estimator == "vh" else None)
             if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
-                self._backoff = min(MAX_SKIP_ROUNDS, max(1, 2 * self._backoff))
+                self._backoff = next_backoff(self._backoff)
                 self._skip = self._backoff
             else:
                 self._backoff = 0  # _retire records the verified tree's depth

@@ -37,6 +37,7 @@ from .._widths import depth_widths
 from ..models.drafter import BlockDrafter
 from ..tree import build_dartree
 from .cache import cache_layers
+from .cost import next_backoff, running_average
 from .decoder import _additive_mask, _text_config
 
 
@@ -237,6 +238,9 @@ class StaticRound(torch.nn.Module):
 
     def _plain_with_context(self, uniform: torch.Tensor | None = None,
                             temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # A function of its own (not a partial of plain_step): dynamo keys its cache by code
+        # object, so the two plain kinds compile as separate functions, each with one version,
+        # which is what running them unguarded (_unguarded) relies on.
         return self.plain_step(uniform, temperature, context=True)
 
     def _step(self, kind: str, compile: bool, mode: str | None):
@@ -330,7 +334,7 @@ class _Pacer:
     ... 16 calls are plain steps (doubling while rounds keep losing), then a round again. The
     first round is followed by one plain step, to measure one."""
 
-    TOKENS_WEIGHT, TIME_WEIGHT, MAX_SKIP, MIN_ROUNDS = 0.15, 0.3, 16, 4
+    TOKENS_WEIGHT, TIME_WEIGHT, MIN_ROUNDS = 0.15, 0.3, 4
 
     def __init__(self) -> None:
         self.tokens: float | None = None
@@ -346,22 +350,18 @@ class _Pacer:
 
     def observe(self, was_round: bool, tokens: float, seconds: float) -> None:
         if not was_round:
-            self.plain_s = _running(self.plain_s, seconds, self.TIME_WEIGHT)
+            self.plain_s = running_average(self.plain_s, seconds, self.TIME_WEIGHT)
             return
         self.rounds += 1
-        self.tokens = _running(self.tokens, tokens, self.TOKENS_WEIGHT)
-        self.round_s = _running(self.round_s, seconds, self.TIME_WEIGHT)
+        self.tokens = running_average(self.tokens, tokens, self.TOKENS_WEIGHT)
+        self.round_s = running_average(self.round_s, seconds, self.TIME_WEIGHT)
         if self.plain_s is None:
             self.skip = 1  # measure a plain step once
         elif self.rounds >= self.MIN_ROUNDS and self.tokens / self.round_s < 1.0 / self.plain_s:
-            self.backoff = min(self.MAX_SKIP, max(1, 2 * self.backoff))
+            self.backoff = next_backoff(self.backoff)
             self.skip = self.backoff
         else:
             self.backoff = 0
-
-
-def _running(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _unguarded(fn, args: tuple):
