@@ -19,6 +19,27 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+ARGMAX_BLOCKS = (256, 128, 64)  # _first_argmax: block sizes tried, largest first
+
+
+def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's maximum, the lowest on ties (torch.argmax's answer), for CPU
+    float32 logits. Reductions with indices do not vectorise over the reduced dimension on a CPU,
+    ``amax`` does: the row is cut into blocks, the first block holding the row's maximum is found
+    from the blocks' maxima (a short row), and the first maximum inside that block. About 4x
+    faster than ``max(-1).indices`` over 9-65 rows of 49152 (2-vCPU AMD EPYC, Zen 4). A row with
+    a NaN gets NaN's block, as ``max`` does; rows not cut evenly take ``max(-1).indices``."""
+    size = logits.shape[-1]
+    block = next((b for b in ARGMAX_BLOCKS if size % b == 0 and size >= 4 * b), None)
+    if block is None or logits.numel() == 0:
+        # max(-1).indices is argmax (the first index of the maximum) and twice as fast on a CPU
+        return logits.max(-1).indices
+    rows = logits.reshape(-1, size // block, block)
+    first = rows.amax(-1).max(-1).indices  # the first block holding the row's maximum
+    inner = rows[torch.arange(rows.shape[0], device=rows.device), first].max(-1).indices
+    return (first * block + inner).view(logits.shape[:-1])
+
+
 def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                               top_p: float | None = None,
                               generator: torch.Generator | None = None) -> torch.Tensor:
@@ -43,10 +64,7 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
             # exact (every bf16/fp16 value is a float32 value): PyTorch's reduced-precision
             # reductions are not vectorised on a CPU
             logits = logits.float()
-        # max(-1).indices is argmax (the first, i.e. lowest, index of the row's maximum: tested at
-        # vocabulary size with ties), and on a CPU about twice as fast: 0.4 vs 0.9 ms over
-        # 23 x 49152 float32 logits (2-vCPU Xeon)
-        return logits.max(-1).indices
+        return _first_argmax(logits)
     # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
     scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if temperature != 1.0:

@@ -46,6 +46,23 @@ def test_greedy_ties_at_vocabulary_size(dtype):
     assert torch.equal(target_tokens_from_logits(logits), expected)
 
 
+@pytest.mark.parametrize("shape", [(3, 23, 49152), (5, 4096), (2, 3, 1000), (7, 64), (4, 256), (0, 512)])
+def test_blocked_argmax_equals_first_maximum(shape):
+    """The blocked argmax (row cut into blocks, first block holding the maximum, then inside it)
+    gives torch's first-maximum index: random rows, heavy ties across blocks, all -inf, a NaN."""
+    from dartree_ext.sampling import _first_argmax
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    cases = [torch.randn(shape, generator=gen), torch.randint(0, 3, shape, generator=gen).float(),
+             torch.full(shape, float("-inf"))]
+    if shape[0]:
+        nan = torch.randn(shape, generator=gen)
+        nan[0, ..., shape[-1] // 2] = float("nan")
+        cases.append(nan)
+    for logits in cases:
+        assert torch.equal(_first_argmax(logits), logits.max(-1).indices)
+        assert torch.equal(_first_argmax(logits), logits.argmax(-1)) or logits.isnan().any()
+
+
 def test_shape_follows_logits():
     logits = torch.randn(2, 7, 11)
     assert target_tokens_from_logits(logits).shape == (2, 7)
