@@ -73,6 +73,8 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("few_rows_linear_avx2(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_avx512(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_avx512_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // attention area (CPU only: a verification forward's or a plain step's few query rows)
+  m.def("few_rows_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

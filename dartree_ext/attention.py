@@ -19,11 +19,16 @@ position bias take transformers' own SDPA attention.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 NAME = "dartree_sdpa"
 MAX_PACKED_ROWS = 128  # query rows per forward above which transformers' SDPA attention runs
+# CPU: masked forwards of at most MAX_PACKED_ROWS rows run dartree_ext.ops.few_rows_attention (row-
+# invariant: a tree verification rounds like a plain step); DARTREE_FEW_ROWS_ATTENTION=0 turns it off
+USE_FEW_ROWS_KERNEL = os.environ.get("DARTREE_FEW_ROWS_ATTENTION", "1") != "0"
 
 
 def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
@@ -69,21 +74,51 @@ def _tiled(mask: torch.Tensor, rep: int) -> torch.Tensor:
     return tiled
 
 
-def _packable(module, query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
+def _packable(module, query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict,
+              grouped: bool = True) -> bool:
+    """A masked forward of at most ``MAX_PACKED_ROWS`` new tokens with nothing SDPA-specific
+    (dropout, a position bias, a soft cap, attention weights); ``grouped``: and grouped-query."""
     return (mask is not None and query.shape[2] <= MAX_PACKED_ROWS and mask.dim() == 4 and mask.shape[1] == 1
             and not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions", False) and getattr(module, "num_key_value_groups", 1) > 1)
+            and not kwargs.get("output_attentions", False)
+            and (not grouped or getattr(module, "num_key_value_groups", 1) > 1))
+
+
+def few_rows_kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether :func:`dartree_ext.ops.few_rows_attention` takes this call: CPU, float32 or
+    bfloat16 throughout, at most ``MAX_PACKED_ROWS`` query rows, no gradient, head sizes and
+    grouping it supports, an additive floating-point mask of one row per query or none."""
+    if not (USE_FEW_ROWS_KERNEL and query.device.type == "cpu" and query.dim() == 4 and key.dim() == 4
+            and query.shape[2] <= MAX_PACKED_ROWS and query.dtype in (torch.float32, torch.bfloat16)
+            and key.dtype == query.dtype and value.dtype == query.dtype):
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if (kv_heads == 0 or heads % kv_heads or heads // kv_heads > 16 or not 1 <= query.shape[-1] <= 256
+            or not 1 <= value.shape[-1] <= 256 or key.shape[2] == 0):
+        return False
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.is_floating_point()
+                            and mask.shape[2] in (1, query.shape[2]) and mask.shape[0] in (1, query.shape[0]))
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                   **kwargs):
-    """Transformers' attention-interface signature: ``gqa_attention`` where it applies, else SDPA's."""
-    if _packable(module, query, attention_mask, dropout, kwargs):
+    """Transformers' attention-interface signature: the row-invariant CPU kernel or
+    ``gqa_attention`` where they apply, else SDPA's."""
+    if _packable(module, query, attention_mask, dropout, kwargs, grouped=False):
         mask = attention_mask
         if mask.shape[-1] != key.shape[-2]:  # as transformers' SDPA path slices a longer mask
             mask = mask[:, :, :, :key.shape[-2]]
-        out = gqa_attention(query, key, value, mask, scaling)
-        return out.transpose(1, 2).contiguous(), None
+        if few_rows_kernel_fits(query, key, value, mask):
+            from . import ops
+            out = ops.few_rows_attention(query, key, value, mask, scaling)
+            return out.transpose(1, 2).contiguous(), None
+        if getattr(module, "num_key_value_groups", 1) > 1:
+            out = gqa_attention(query, key, value, mask, scaling)
+            return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

@@ -20,7 +20,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_linear", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
 MAX_TREE_NODES = 8192
@@ -145,6 +145,28 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     (``build_info()["few_rows_linear"]`` says which). ``bias`` has the dtype of ``x``. No autograd.
     """
     return _ops.few_rows_linear.default(x, weight, bias)
+
+
+def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
+                       scale: float | None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T + mask) v`` for a few query rows (CPU, float32 or bfloat16): a
+    verification forward's root + tree, or a plain step's one row, against the KV cache.
+
+    ``query [B, H, T, D]``, ``key [B, H_kv, S, D]``, ``value [B, H_kv, S, Dv]`` (last dims
+    contiguous, one dtype; query head ``h`` reads key/value head ``h // (H / H_kv)``, at most 16
+    query heads per key/value head, head dims at most 256), ``mask`` additive and floating-point,
+    ``[B or 1, 1, T or 1, S]`` (0 visible, a value <= -1e30 such as the dtype's minimum hidden), or
+    ``None``; ``scale`` defaults to ``D ** -0.5``. Returns ``[B, H, T, Dv]`` in the query's dtype,
+    accumulated in float32.
+
+    Row-invariant: a row's result is the same bits whatever the other rows of the call, and whatever
+    hidden keys lie between its visible ones, because hidden keys are skipped (softmax gives them
+    weight exactly 0 whenever the row sees a key) and every sum runs over the visible keys in
+    order. A tree node attending to the prefix and its ancestors therefore gets exactly what the
+    same token gets in a plain decoding step. A row that sees no key attends to all keys (as SDPA
+    does). No autograd."""
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _ops.few_rows_attention.default(query, key, value, mask, scale)
 
 
 def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_parents: torch.Tensor,
@@ -418,6 +440,13 @@ def _compact_kv_paged_fake(caches, block_table, src_positions, dst_start, length
 def _few_rows_linear_fake(x, weight, bias):
     _check_same_device("few_rows_linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("dartree_ext::few_rows_attention")
+def _few_rows_attention_fake(query, key, value, mask, scale):
+    _check_same_device("few_rows_attention", query=query, key=key, value=value,
+                       **({} if mask is None else {"mask": mask}))
+    return query.new_empty((*query.shape[:3], value.shape[-1]))
 
 
 # the ops that force one path of few_rows_linear (tests, bench/forward_speed.py): the same shapes

@@ -301,6 +301,24 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
+def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
+                       scale: float | None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T + mask) v`` in float64 over repeated key/value heads, rounded to the
+    query's dtype once; a key whose mask is <= -1e30 gets weight 0 unless the row hides every key
+    (then the plain formula over all keys)."""
+    rep = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    k = key.double().repeat_interleave(rep, 1)
+    v = value.double().repeat_interleave(rep, 1)
+    scores = query.double() @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        m = mask.double().expand(query.shape[0], 1, query.shape[2], key.shape[2])
+        hidden = m <= -1e30
+        hidden = hidden & ~hidden.all(-1, keepdim=True)
+        scores = (scores + m).masked_fill(hidden, float("-inf"))
+    return (scores.softmax(-1) @ v).to(query.dtype)
+
+
 # kv area ---------------------------------------------------------------------------------------
 
 def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,

@@ -1,5 +1,7 @@
 """gqa_attention (grouped-query attention without repeated keys/values) against SDPA over
-repeated heads, its transformers registration, bad input, and lossless decoding through it."""
+repeated heads, its transformers registration, bad input, and lossless decoding through it; the
+row-invariant CPU kernel few_rows_attention against its reference, row by row against a plain
+step's attention (bit for bit), and bfloat16 decoding through it equal to plain decoding."""
 from __future__ import annotations
 
 import inspect
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dartree_ext.attention as attention
-from dartree_ext import ops
+from dartree_ext import ops, reference
 from dartree_ext.attention import (MAX_PACKED_ROWS, NAME, attention_kind, gqa_attention, restore_sdpa_attention,
                                    use_packed_attention)
 from dartree_ext.decoding.decoder import SpeculativeDecoder
@@ -100,6 +102,7 @@ def test_transformers_model_through_it(monkeypatch):
     assert attention_kind(model) == "sdpa"
     plain = _tree_forward(model)
     assert use_packed_attention(model) and attention_kind(model) == NAME
+    monkeypatch.setattr(attention, "USE_FEW_ROWS_KERNEL", False)  # the CPU kernel: its own test below
     calls = []
     real = attention.gqa_attention
     monkeypatch.setattr(attention, "gqa_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
@@ -147,3 +150,151 @@ def test_greedy_decoding_lossless_through_it(kind, method):
     assert out.stats.tau > 2.0
     for b, ref in enumerate(refs):
         assert out.sequences[b, width:].tolist() == ref.tolist()
+
+
+# few_rows_attention (the row-invariant CPU kernel) ---------------------------------------------
+
+def _hidden(visible: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,heads,kv_heads,t,s,d,dv", [(1, 9, 3, 9, 209, 64, 64), (2, 4, 4, 5, 37, 32, 32),
+                                                        (1, 9, 3, 1, 201, 64, 64), (3, 8, 2, 17, 100, 128, 128),
+                                                        (2, 16, 1, 3, 5, 80, 24), (1, 2, 2, 130, 7, 8, 8)])
+@pytest.mark.parametrize("kind", ["none", "rows", "shared", "one_row_per_batch"])
+def test_few_rows_kernel_matches_reference(dtype, b, heads, kv_heads, t, s, d, dv, kind):
+    gen = torch.Generator().manual_seed(b * 1000 + t * 10 + s)
+    q = torch.randn(b, heads, t, d, generator=gen).to(dtype)
+    k = torch.randn(b, kv_heads, s, d, generator=gen).to(dtype)
+    v = torch.randn(b, kv_heads, s, dv, generator=gen).to(dtype)
+    shape = {"none": None, "rows": (b, 1, t, s), "shared": (1, 1, t, s), "one_row_per_batch": (b, 1, 1, s)}[kind]
+    mask = None
+    if shape is not None:
+        visible = torch.rand(shape, generator=gen) < 0.6
+        visible[..., 0] = True
+        mask = _hidden(visible, dtype) + (torch.randn(shape, generator=gen) * visible).to(dtype)  # a bias too
+    out = ops.few_rows_attention(q, k, v, mask, 0.3)
+    ref = reference.few_rows_attention(q, k, v, mask, 0.3)
+    assert out.dtype == dtype and out.shape == (b, heads, t, dv)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    if dtype == torch.float32 and mask is not None and t <= 128:  # against SDPA on repeated heads too
+        torch.testing.assert_close(out, _repeated(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_kernel_rows_are_plain_steps(dtype):
+    """A tree's rows, verified in one call, give bit for bit what each token gets decoded plainly:
+    the prefix plus its ancestors' keys, compacted to consecutive slots, in a call of its own
+    (one row, no hidden key). Also with other rows beside it and a strided (transposed) query."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, prefix = 9, 3, 64, 150
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8, 9, 6]
+    n = len(parents)
+    keys = torch.randn(1, kv_heads, prefix + n, d, generator=gen).to(dtype)
+    values = torch.randn(1, kv_heads, prefix + n, d, generator=gen).to(dtype)
+    query = torch.randn(1, n, heads, d, generator=gen).to(dtype).transpose(1, 2)  # as transformers passes it
+    visible = torch.zeros(1, 1, n, prefix + n, dtype=torch.bool)
+    visible[..., :prefix] = True
+    visible[..., 7] = False  # a hidden prefix slot (left padding, say)
+    paths = []
+    for i, p in enumerate(parents):
+        path = (paths[p] if p >= 0 else []) + [i]
+        paths.append(path)
+        visible[0, 0, i, [prefix + j for j in path]] = True
+    tree = ops.few_rows_attention(query, keys, values, _hidden(visible, dtype))
+    for i in range(n):
+        slots = visible[0, 0, i].nonzero()[:, 0]
+        plain = ops.few_rows_attention(query[:, :, i:i + 1].contiguous(), keys[:, :, slots].contiguous(),
+                                       values[:, :, slots].contiguous(), torch.zeros(1, 1, 1, len(slots), dtype=dtype))
+        assert torch.equal(tree[:, :, i], plain[:, :, 0]), i
+        alone = ops.few_rows_attention(query[:, :, i:i + 1], keys, values, _hidden(visible[:, :, i:i + 1], dtype))
+        assert torch.equal(tree[:, :, i], alone[:, :, 0]), i
+
+
+def test_few_rows_kernel_a_row_that_sees_nothing():
+    """A row whose mask hides every key takes the formula over all keys (as SDPA does); a row of
+    -inf gives NaN like SDPA."""
+    q, k, v, _ = _qkv(1, 4, 2, 2, 6, 8)
+    mask = torch.zeros(1, 1, 2, 6)
+    mask[0, 0, 0] = torch.finfo(torch.float32).min
+    mask[0, 0, 0, 2] = torch.finfo(torch.float32).min / 2  # hidden too, but not like the others
+    out = ops.few_rows_attention(q, k, v, mask)
+    torch.testing.assert_close(out, _repeated(q, k, v, mask), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference.few_rows_attention(q, k, v, mask), atol=1e-6, rtol=1e-5)
+
+
+def test_few_rows_kernel_bad_input():
+    q, k, v, _ = _qkv(1, 4, 2, 3, 6, 8)
+    with pytest.raises(ValueError, match="query heads over"):
+        ops.few_rows_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="share a dtype"):
+        ops.few_rows_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.few_rows_attention(q.half(), k.half(), v.half())
+    with pytest.raises(ValueError, match="mask must be additive"):
+        ops.few_rows_attention(q, k, v, torch.zeros(1, 2, 3, 6))
+    with pytest.raises(ValueError, match="mask must be additive"):
+        ops.few_rows_attention(q, k, v, torch.zeros(1, 1, 3, 5))
+    with pytest.raises(ValueError, match="floating-point"):
+        ops.few_rows_attention(q, k, v, torch.ones(1, 1, 3, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="do not match"):
+        ops.few_rows_attention(q, k[:, :, :, :4], v)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.few_rows_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
+    with pytest.raises(ValueError, match="head dims"):
+        ops.few_rows_attention(torch.zeros(1, 2, 1, 300), torch.zeros(1, 2, 4, 300), torch.zeros(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="no keys"):
+        ops.few_rows_attention(q, k[:, :, :0], v[:, :, :0])
+
+
+def test_transformers_model_through_the_kernel(monkeypatch):
+    """A tree forward of a float32 model on a CPU runs the kernel in every layer, with SDPA's logits."""
+    model = tiny_target()
+    plain = _tree_forward(model)
+    assert use_packed_attention(model)
+    calls = []
+    real = ops.few_rows_attention
+    monkeypatch.setattr(ops, "few_rows_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    kernel = _tree_forward(model)
+    assert calls == [6] * model.config.num_hidden_layers
+    torch.testing.assert_close(kernel, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dartree", "chain"])
+def test_bfloat16_decoding_equals_plain_decoding_through_the_kernel(method):
+    """In bfloat16 on a CPU, with few_rows_linear and the kernel (both row-invariant), a method's
+    output equals plain decoding's token for token, though trees and plain steps run different row
+    counts. Through SDPA instead, both methods' runs part from plain decoding (torch 2.14, CPU);
+    not asserted, as that rests on SDPA's rounding."""
+    from dartree_ext.linear import use_few_rows_linear
+    from dartree_ext.models import LookupDrafter
+    from models import tiny_drafter
+    from models import tiny_target as test_target
+    model = test_target("llama", vocab=97, hidden=64, layers=4, seed=5).to(torch.bfloat16)
+    use_few_rows_linear(model)
+    assert use_packed_attention(model)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 14)]
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+
+    def run(kernel: bool):
+        attention.USE_FEW_ROWS_KERNEL = kernel
+        try:
+            ar = SpeculativeDecoder(model, None, "ar").generate(ids, mask, max_new_tokens=40)
+            refs = [torch.cat([p, ar.sequences[b, width:]]) for b, p in enumerate(prompts)]
+            drafter = LookupDrafter(tiny_drafter(model).to(torch.bfloat16), refs, miss=0.3)
+            out = SpeculativeDecoder(model, drafter, method, budget=12, width=4, K=6).generate(ids, mask,
+                                                                                             max_new_tokens=40)
+            return ar.sequences, out
+        finally:
+            attention.USE_FEW_ROWS_KERNEL = True
+
+    ar, out = run(True)
+    assert out.stats.tau > 1.5
+    assert torch.equal(out.sequences, ar)

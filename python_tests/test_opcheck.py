@@ -57,6 +57,9 @@ def _sample_args(name: str, device: str):
         return (z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
                 torch.randn(3, 2, 6, device=device), torch.randn(3, 2, device=device),
                 torch.tensor([2, 1, 0], dtype=torch.int32, device=device), *weights, 4, -0.2)
+    if name == "few_rows_attention":
+        mask = torch.where(torch.rand(2, 1, 5, 11) < 0.7, 0.0, torch.finfo(torch.float32).min)
+        return (torch.randn(2, 6, 5, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 8), mask, 0.25)
     logprobs = torch.sort(torch.randn(3, 4, 8, device=device), dim=-1, descending=True).values
     return (logprobs, torch.randint(0, 100, (3, 4, 8), device=device), torch.arange(3, device=device), 20)
 
@@ -65,8 +68,11 @@ def _sample_args(name: str, device: str):
 @pytest.mark.parametrize("name", ["tree_ancestor_bits", "tree_attention_mask", "tree_links", "packed_tree_mask",
                                   "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
-                                  "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_"])
+                                  "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
+                                  "few_rows_attention"])
 def test_opcheck(name, device):
+    if name == "few_rows_attention" and device != "cpu":
+        pytest.skip("a CPU op")
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))
 
