@@ -140,6 +140,17 @@ DARTREE_VEC_INLINE void weigh_block(const float* p, int64_t p_stride, const floa
 
 constexpr int kGroup = 4;  // query rows per register block (4 x 2 accumulators)
 
+// f(std::integral_constant<int, g>) for g in 1 .. kGroup: the block functions' row count as a constant
+template <typename F>
+DARTREE_VEC_INLINE void by_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, kGroup>{}); break;
+  }
+}
+
 // T: float, or uint16_t holding bfloat16 bits. Inlined into each build below.
 //
 // Scores: 16 key columns at a time, each lane summing q[c] * k[j][c] over c in order (the same
@@ -180,12 +191,7 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
       const float* q = u.query + r0 * d;
       float* sc = u.scores + r0 * padded;
       for (int64_t jb = 0; jb < padded; jb += kLanes) {
-        switch (g) {
-          case 1: score_block<1>(q, d, u.keys_t + jb, padded, sc + jb, padded); break;
-          case 2: score_block<2>(q, d, u.keys_t + jb, padded, sc + jb, padded); break;
-          case 3: score_block<3>(q, d, u.keys_t + jb, padded, sc + jb, padded); break;
-          default: score_block<4>(q, d, u.keys_t + jb, padded, sc + jb, padded); break;
-        }
+        by_group(g, [&](auto group) { score_block<group()>(q, d, u.keys_t + jb, padded, sc + jb, padded); });
       }
     }
     for (int64_t r = 0; r < rep; ++r) {
@@ -211,12 +217,7 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
       const float* p = u.scores + r0 * padded;
       float* acc = u.acc + r0 * dvp;
       for (int64_t cb = 0; cb < dv; cb += kLanes) {
-        switch (g) {
-          case 1: weigh_block<1>(p, padded, u.values + cb, dvp, u.visible, n, acc + cb, dvp); break;
-          case 2: weigh_block<2>(p, padded, u.values + cb, dvp, u.visible, n, acc + cb, dvp); break;
-          case 3: weigh_block<3>(p, padded, u.values + cb, dvp, u.visible, n, acc + cb, dvp); break;
-          default: weigh_block<4>(p, padded, u.values + cb, dvp, u.visible, n, acc + cb, dvp); break;
-        }
+        by_group(g, [&](auto group) { weigh_block<group()>(p, padded, u.values + cb, dvp, u.visible, n, acc + cb, dvp); });
       }
     }
     for (int64_t r = 0; r < rep; ++r) {
@@ -227,9 +228,8 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
   }
 }
 
-// Two builds of each: AVX2 + FMA, chosen at run time where the CPU has them, and the baseline
-// x86-64 (explicit dispatch: GCC's target_clones resolver picked the baseline on an AMD EPYC with
-// AVX-512). Both give the same results on one machine for every call, which is what row
+// Two builds of each: AVX2 + FMA, chosen at run time where the CPU has them (cpu_has_avx2_fma),
+// and the baseline x86-64. Both give the same results on one machine for every call, which is what row
 // invariance needs; they differ from each other in rounding (FMA contraction).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #define DARTREE_ATTENTION_AVX2 1
@@ -239,19 +239,10 @@ __attribute__((target("avx2,fma"))) void attend_unit_bf16_avx2(const Unit& u) { 
 void attend_unit_f32_base(const Unit& u) { attend_unit<float>(u); }
 void attend_unit_bf16_base(const Unit& u) { attend_unit<uint16_t>(u); }
 
-bool attention_avx2() {
-#ifdef DARTREE_ATTENTION_AVX2
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 template <typename T>
 void attend(const Unit& u) {
 #ifdef DARTREE_ATTENTION_AVX2
-  if (attention_avx2()) {
+  if (cpu_has_avx2_fma()) {
     if constexpr (std::is_same_v<T, float>) {
       attend_unit_f32_avx2(u);
     } else {

@@ -24,6 +24,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define DARTREE_AVX512_LINEAR 1
@@ -546,8 +548,7 @@ enum class Path { kGeneric, kAvx2, kAvx512, kAvx512Dot };
 
 bool has_avx2() {
 #ifdef DARTREE_AVX512_LINEAR
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return avx2;
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif

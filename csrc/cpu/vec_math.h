@@ -25,6 +25,17 @@
 
 namespace dartree {
 
+// Whether this CPU runs AVX2 + FMA code (explicit dispatch to a target("avx2,fma") build; GCC's
+// target_clones resolver picked the baseline build on an AMD EPYC with AVX-512).
+inline bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // Round-to-nearest range reduction x = n ln2 + r with a two-part ln2, Cephes' degree-6 polynomial
 // for e^r, 2^n built in the exponent bits. Relative error about 1.2e-7 over the clamped range
 // [-87, 88] (tested against torch); below -87 it returns e^-87 (about 1.6e-38), never 0, so callers
