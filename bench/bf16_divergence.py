@@ -8,7 +8,7 @@ computation paths round differently, not a logic error. Also reports HF ``genera
 divergences from the ``ar`` loop in bfloat16, for scale.
 
     python bench/bf16_divergence.py --sets gsm8k,humaneval,mtbench --num-prompts 5 --max-new-tokens 64 \
-        [--linear few_rows]
+        [--linear few_rows] [--attention kernel|sdpa]
 """
 from __future__ import annotations
 
@@ -47,8 +47,12 @@ def main(argv=None) -> int:
     p.add_argument("--linear", default="torch", choices=list(LINEAR_KINDS),
                    help="the bfloat16 target's linear layers (dartree-generate --linear); HF generate runs the same "
                         "target")
+    p.add_argument("--attention", default="kernel", choices=["kernel", "sdpa"],
+                   help="few-row attention: the row-invariant CPU kernel (ops.few_rows_attention) or SDPA")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    from dartree_ext import attention
+    attention.USE_FEW_ROWS_KERNEL = args.attention == "kernel"
     from dartree_ext.data import prompts as shipped
     loaded = load_target("smollm2", dtype=torch.bfloat16)
     target, tok = loaded.target, loaded.tokenizer
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
                 row.update(margins(target, target32, ids + plain[:i], fast[i], plain[i]))
             rows.append(row)
             print(json.dumps(row))
-    summary = {"linear": args.linear, "responses": len(rows), "diverged": flips, "tokens_compared": tokens,
+    summary = {"linear": args.linear, "attention": args.attention, "responses": len(rows), "diverged": flips, "tokens_compared": tokens,
                "per_token_rate": round(flips / max(1, tokens), 5), "hf_generate_diverged": hf_flips,
                "hf_per_token_rate": round(hf_flips / max(1, hf_tokens), 5)}
     print(json.dumps(summary))
