@@ -11,7 +11,7 @@ output equals ``ar``'s (at T = 0 it must: the script exits 1 otherwise).
         --num-prompts 10 --temperatures 0,1 --json bench/results/e2e.json
     python bench/e2e.py ... --sweep width=4,8,12,16 --methods dartree   # tau vs W (also budget=, beta=)
     python bench/e2e.py ... --drafter vat=DIR1,dflash=DIR2 --methods chain,dartree  # drafters side by side
-    python bench/e2e.py ... --methods dartree,dartree/attention=sdpa   # the target's attention, A/B
+    python bench/e2e.py ... --methods dartree,dartree/attention=packed   # the target's attention, A/B
 
 With several drafters (``label=DIR,...``) every method runs once per drafter, named
 ``method@label``. The run ends with a summary over the sets: per method and temperature, the mean
@@ -27,7 +27,10 @@ from collections import Counter
 
 import torch
 
+import dartree_ext.attention as attention_module
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
+
+KERNEL_DEFAULT = attention_module.USE_FEW_ROWS_KERNEL  # DARTREE_FEW_ROWS_ATTENTION=0 turns the kernel off
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import resolve_forward
@@ -55,7 +58,9 @@ class Params:
                                            # eagle3_vh stops at the true first rejection (T = 0, ar's outputs)
     estimator: str = "score"            # budget="auto": node acceptance from "score", "adaptive" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
-    attention: str = "packed"           # the target's attention: "packed" (dartree_ext.attention) or "sdpa"
+    # the target's attention: "kernel" (dartree_ext.attention: the row-invariant CPU kernel, else
+    # packed SDPA), "packed" (packed SDPA only) or "sdpa" (transformers' own)
+    attention: str = "kernel"
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -86,8 +91,8 @@ class Runner:
 
     def __init__(self, target, drafter, method: str, params: Params, temperature: float, max_new_tokens: int,
                  stops: list[int], device: str, seed: int = 0) -> None:
-        if params.attention not in ("packed", "sdpa"):
-            raise SystemExit(f"attention must be 'packed' or 'sdpa', got {params.attention!r}")
+        if params.attention not in ("kernel", "packed", "sdpa"):
+            raise SystemExit(f"attention must be 'kernel', 'packed' or 'sdpa', got {params.attention!r}")
         self.oracle_exit = params.early_exit == "oracle"
         if oracle_misfit(method, params, temperature):
             raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
@@ -105,8 +110,9 @@ class Runner:
         self.plain, self.auto = 0, Counter()  # budget="auto": plain rounds; prediction vs measurement
 
     def step(self, g: int, group: list[list[int]]) -> None:
-        # the target attends as this row asks (an A/B inside one run: dartree/attention=sdpa)
+        # the target attends as this row asks (an A/B inside one run: dartree/attention=packed)
         (restore_sdpa_attention if self.params.attention == "sdpa" else use_packed_attention)(self.dec.target)
+        attention_module.USE_FEW_ROWS_KERNEL = self.params.attention == "kernel" and KERNEL_DEFAULT
         ids, mask = left_pad(group)
         if self.oracle_exit:
             self.dec.early_exit = oracle_stop_rule(self.references(g))
@@ -173,6 +179,7 @@ class HFRunner:
     def step(self, g: int, group: list[list[int]]) -> None:
         import time
         use_packed_attention(self.target)  # as plain decoding (`ar`) runs
+        attention_module.USE_FEW_ROWS_KERNEL = KERNEL_DEFAULT
         ids, mask = left_pad(group, device=self.device)
         stops = self.stops
         kw = dict(max_new_tokens=self.max_new_tokens, attention_mask=mask, eos_token_id=stops or None,
