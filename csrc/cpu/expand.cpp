@@ -23,7 +23,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // h' = (1 - u) n + u h with r, u, n from the input gates gi (a gru_table row) and hidden gates gh.
-DARTREE_SIMD_CLONES void gru_cell(const float* gi, const float* gh, const float* h, float* out, int64_t g) {
+DARTREE_VEC_INLINE void gru_cell_impl(const float* gi, const float* gh, const float* h, float* out, int64_t g) {
 #pragma omp simd
   for (int64_t j = 0; j < g; ++j) {
     const float r = vsigmoid(gi[j] + gh[j]);
@@ -32,6 +32,7 @@ DARTREE_SIMD_CLONES void gru_cell(const float* gi, const float* gh, const float*
     out[j] = (1.0f - u) * n + u * h[j];
   }
 }
+DARTREE_AVX2_DISPATCH(void, gru_cell, (const float* gi, const float* gh, const float* h, float* out, int64_t g), (gi, gh, h, out, g))
 
 struct Scored {
   float score;

@@ -33,20 +33,21 @@ DARTREE_VEC_INLINE T exp_of(T x) {
   }
 }
 
-// Float32 chunk kernels (n <= kChunk values; AVX2 clones). exp_of gives -inf logits (and any
+// Float32 chunk kernels (n <= kChunk values; AVX2 + FMA builds, DARTREE_AVX2_DISPATCH). exp_of gives -inf logits (and any
 // term whose exp underflows) exactly 0, so the dot product never meets 0 * -inf.
 
 // The largest value of x[0, n) (NaN never wins a comparison, as in the scalar loop).
-DARTREE_SIMD_CLONES float chunk_max(const float* x, int64_t n) {
+DARTREE_VEC_INLINE float chunk_max_impl(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
+DARTREE_AVX2_DISPATCH(float, chunk_max, (const float* x, int64_t n), (x, n))
 
 // sums[0..4] += sum exp(d - max_d), sum exp(t - max_t), sum exp(t - max_t) d and, when `scaled`,
 // the two sums at inverse temperature `it`.
-DARTREE_SIMD_CLONES void chunk_sums(const float* dv, const float* tv, int64_t n, float max_d, float max_t, float it,
+DARTREE_VEC_INLINE void chunk_sums_impl(const float* dv, const float* tv, int64_t n, float max_d, float max_t, float it,
                                     bool scaled, double* sums) {
   float sd = 0.0f, st = 0.0f, sdot = 0.0f, sdt = 0.0f, stt = 0.0f;
 #pragma omp simd reduction(+ : sd, st, sdot)
@@ -66,15 +67,17 @@ DARTREE_SIMD_CLONES void chunk_sums(const float* dv, const float* tv, int64_t n,
   }
   sums[0] += sd, sums[1] += st, sums[2] += sdot, sums[3] += sdt, sums[4] += stt;
 }
+DARTREE_AVX2_DISPATCH(void, chunk_sums, (const float* dv, const float* tv, int64_t n, float max_d, float max_t, float it, bool scaled, double* sums), (dv, tv, n, max_d, max_t, it, scaled, sums))
 
 // out = exp(x * scale - shift)
-DARTREE_SIMD_CLONES void chunk_exp(const float* x, int64_t n, float scale, float shift, float* out) {
+DARTREE_VEC_INLINE void chunk_exp_impl(const float* x, int64_t n, float scale, float shift, float* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = exp_of(x[i] * scale - shift);
 }
+DARTREE_AVX2_DISPATCH(void, chunk_exp, (const float* x, int64_t n, float scale, float shift, float* out), (x, n, scale, shift, out))
 
 // out = a exp(d - ld) - b exp(t - lt) (t unread when b == 0)
-DARTREE_SIMD_CLONES void chunk_grad(const float* dv, const float* tv, int64_t n, float a, float b, float ld, float lt,
+DARTREE_VEC_INLINE void chunk_grad_impl(const float* dv, const float* tv, int64_t n, float a, float b, float ld, float lt,
                                     float* out) {
   if (b != 0.0f) {
 #pragma omp simd
@@ -84,6 +87,7 @@ DARTREE_SIMD_CLONES void chunk_grad(const float* dv, const float* tv, int64_t n,
     for (int64_t i = 0; i < n; ++i) out[i] = a * exp_of(dv[i] - ld);
   }
 }
+DARTREE_AVX2_DISPATCH(void, chunk_grad, (const float* dv, const float* tv, int64_t n, float a, float b, float ld, float lt, float* out), (dv, tv, n, a, b, ld, lt, out))
 
 // Raises (m, a) to the chunk's first maximum where it beats m (strictly, so an earlier chunk's
 // equal maximum keeps the first index); true when it did.

@@ -8,13 +8,19 @@
 #include <bit>
 #include <cstdint>
 
-// Functions marked DARTREE_SIMD_CLONES are compiled twice, for AVX2 + FMA and for the baseline
-// x86-64 (SSE2) the build targets, and the loader picks one for the CPU it runs on (GCC's
-// target_clones); vexp and friends are inlined into each. Elsewhere it is empty.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__CUDACC__)
-#define DARTREE_SIMD_CLONES __attribute__((target_clones("arch=haswell", "default")))
+// DARTREE_AVX2_DISPATCH(ret, name, (params), (args)) defines `name` from `name##_impl` (marked
+// DARTREE_VEC_INLINE): an AVX2 + FMA build and a baseline x86-64 build of it, and `name` calling
+// the first where the CPU has AVX2 and FMA (cpu_has_avx2_fma(), below), else the second; vexp and
+// friends are inlined into each. (GCC's target_clones resolver, used before, picked the baseline
+// build on an AMD EPYC with AVX-512.) Elsewhere `name` is `name##_impl`.
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDACC__)
+#define DARTREE_AVX2_DISPATCH(ret, name, params, args)                                    \
+  __attribute__((target("avx2,fma"), noinline)) ret name##_avx2 params { return name##_impl args; } \
+  __attribute__((noinline)) ret name##_base params { return name##_impl args; }           \
+  inline ret name params { return ::dartree::cpu_has_avx2_fma() ? name##_avx2 args : name##_base args; }
 #else
-#define DARTREE_SIMD_CLONES
+#define DARTREE_AVX2_DISPATCH(ret, name, params, args) \
+  inline ret name params { return name##_impl args; }
 #endif
 // Always inlined (GCC otherwise sometimes leaves vexp a call inside a clone, and the loop scalar).
 #if defined(__GNUC__)
