@@ -29,8 +29,6 @@ import torch
 
 import dartree_ext.attention as attention_module
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
-
-KERNEL_DEFAULT = attention_module.USE_FEW_ROWS_KERNEL  # DARTREE_FEW_ROWS_ATTENTION=0 turns the kernel off
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import resolve_forward
@@ -40,6 +38,7 @@ from dartree_ext.models import LookupDrafter, oracle_stop_rule
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
 from dartree_ext.tree import parse_width
 
+KERNEL_DEFAULT = attention_module.USE_FEW_ROWS_KERNEL  # DARTREE_FEW_ROWS_ATTENTION=0 turns the kernel off
 DEFAULT_PROMPTS = [
     "Write a function that returns the n-th Fibonacci number.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?",
@@ -178,7 +177,7 @@ class HFRunner:
 
     def step(self, g: int, group: list[list[int]]) -> None:
         import time
-        use_packed_attention(self.target)  # as plain decoding (`ar`) runs
+        use_packed_attention(self.target)  # (its masks are bool or None: SDPA's path, not the kernel)
         attention_module.USE_FEW_ROWS_KERNEL = KERNEL_DEFAULT
         ids, mask = left_pad(group, device=self.device)
         stops = self.stops

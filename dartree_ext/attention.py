@@ -1,4 +1,6 @@
-"""Grouped-query attention over a few query rows without copying the keys and values.
+"""The attention of a target's forward over a few query rows: on a CPU the row-invariant kernel
+:func:`dartree_ext.ops.few_rows_attention` (a tree verification rounds exactly as plain steps do),
+elsewhere grouped-query SDPA without copying the keys and values.
 
 A verification forward attends root + tree (a few dozen query rows) to the whole KV cache under a
 tree mask. With a mask, transformers' SDPA attention repeats every key/value head for the query
@@ -100,8 +102,14 @@ def few_rows_kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         return False
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return False
-    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.is_floating_point()
-                            and mask.shape[2] in (1, query.shape[2]) and mask.shape[0] in (1, query.shape[0]))
+    if (key.shape[0] != query.shape[0] or value.shape[:3] != key.shape[:3] or key.shape[-1] != query.shape[-1]
+            or key.device.type != "cpu" or value.device.type != "cpu"):
+        return False
+    # float16's minimum (-65504) would not hide a key (the kernel hides at <= -1e30)
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.device.type == "cpu"
+                            and mask.dtype in (torch.float32, torch.bfloat16, torch.float64)
+                            and mask.shape[3] == key.shape[2] and mask.shape[2] in (1, query.shape[2])
+                            and mask.shape[0] in (1, query.shape[0]))
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,

@@ -163,8 +163,9 @@ def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     hidden keys lie between its visible ones, because hidden keys are skipped (softmax gives them
     weight exactly 0 whenever the row sees a key) and every sum runs over the visible keys in
     order. A tree node attending to the prefix and its ancestors therefore gets exactly what the
-    same token gets in a plain decoding step. A row that sees no key attends to all keys (as SDPA
-    does). No autograd."""
+    same token gets in a plain decoding step. A row that sees no key attends to all keys, and a row of -inf
+    scores gives 0 (both as SDPA does). Scratch: a float32 copy of the keys and values of one
+    key/value head per thread. No autograd."""
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     return _ops.few_rows_attention.default(query, key, value, mask, scale)
 

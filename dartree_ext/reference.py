@@ -305,7 +305,7 @@ def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        scale: float | None = None) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` in float64 over repeated key/value heads, rounded to the
     query's dtype once; a key whose mask is <= -1e30 gets weight 0 unless the row hides every key
-    (then the plain formula over all keys)."""
+    (then the plain formula over all keys; a row of -inf scores gives 0)."""
     rep = query.shape[1] // key.shape[1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     k = key.double().repeat_interleave(rep, 1)
@@ -316,7 +316,8 @@ def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         hidden = m <= -1e30
         hidden = hidden & ~hidden.all(-1, keepdim=True)
         scores = (scores + m).masked_fill(hidden, float("-inf"))
-    return (scores.softmax(-1) @ v).to(query.dtype)
+    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0) if mask is not None else scores.softmax(-1)
+    return (weights @ v).to(query.dtype)  # a row of -inf scores: 0, as SDPA gives
 
 
 # kv area ---------------------------------------------------------------------------------------

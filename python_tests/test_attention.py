@@ -161,7 +161,8 @@ def _hidden(visible: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,heads,kv_heads,t,s,d,dv", [(1, 9, 3, 9, 209, 64, 64), (2, 4, 4, 5, 37, 32, 32),
                                                         (1, 9, 3, 1, 201, 64, 64), (3, 8, 2, 17, 100, 128, 128),
-                                                        (2, 16, 1, 3, 5, 80, 24), (1, 2, 2, 130, 7, 8, 8)])
+                                                        (2, 16, 1, 3, 5, 80, 24), (1, 2, 2, 130, 7, 8, 8),
+                                                        (1, 6, 3, 4, 50, 64, 64), (2, 10, 2, 3, 33, 16, 48)])
 @pytest.mark.parametrize("kind", ["none", "rows", "shared", "one_row_per_batch"])
 def test_few_rows_kernel_matches_reference(dtype, b, heads, kv_heads, t, s, d, dv, kind):
     gen = torch.Generator().manual_seed(b * 1000 + t * 10 + s)
@@ -214,15 +215,31 @@ def test_few_rows_kernel_rows_are_plain_steps(dtype):
 
 
 def test_few_rows_kernel_a_row_that_sees_nothing():
-    """A row whose mask hides every key takes the formula over all keys (as SDPA does); a row of
-    -inf gives NaN like SDPA."""
-    q, k, v, _ = _qkv(1, 4, 2, 2, 6, 8)
-    mask = torch.zeros(1, 1, 2, 6)
+    """A row whose mask hides every key takes the formula over all keys, and a row of -inf gives 0:
+    both SDPA's answers."""
+    q, k, v, _ = _qkv(1, 4, 2, 3, 6, 8)
+    mask = torch.zeros(1, 1, 3, 6)
     mask[0, 0, 0] = torch.finfo(torch.float32).min
     mask[0, 0, 0, 2] = torch.finfo(torch.float32).min / 2  # hidden too, but not like the others
+    mask[0, 0, 2] = float("-inf")
     out = ops.few_rows_attention(q, k, v, mask)
+    assert not out.isnan().any() and torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
     torch.testing.assert_close(out, _repeated(q, k, v, mask), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out, reference.few_rows_attention(q, k, v, mask), atol=1e-6, rtol=1e-5)
+
+
+def test_few_rows_kernel_fits_only_what_it_takes():
+    q, k, v, _ = _qkv(1, 4, 2, 3, 6, 8)
+    mask = torch.zeros(1, 1, 3, 6)
+    fits = attention.few_rows_kernel_fits
+    assert fits(q, k, v, mask) and fits(q, k, v, None) and fits(q, k, v, mask[:, :, :1])
+    assert not fits(q, k, v, mask.half())  # float16's minimum would not hide a key
+    assert not fits(q, k, v, mask[..., :5]) and not fits(q, k, v, torch.zeros(1, 1, 3, 1))
+    assert not fits(q.half(), k.half(), v.half(), mask)
+    assert not fits(q, k[..., :4], v, mask)
+    assert not fits(q.requires_grad_(), k, v, mask)
+    with torch.no_grad():
+        assert fits(q, k, v, mask)
 
 
 def test_few_rows_kernel_bad_input():
@@ -263,11 +280,11 @@ def test_transformers_model_through_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["dartree", "chain"])
-def test_bfloat16_decoding_equals_plain_decoding_through_the_kernel(method):
+def test_bfloat16_decoding_equals_plain_decoding_through_the_kernel(method, monkeypatch):
     """In bfloat16 on a CPU, with few_rows_linear and the kernel (both row-invariant), a method's
     output equals plain decoding's token for token, though trees and plain steps run different row
-    counts. Through SDPA instead, both methods' runs part from plain decoding (torch 2.14, CPU);
-    not asserted, as that rests on SDPA's rounding."""
+    counts. Through packed SDPA instead both methods' runs parted from plain decoding (torch 2.14,
+    CPU); not asserted, as that rests on SDPA's rounding."""
     from dartree_ext.linear import use_few_rows_linear
     from dartree_ext.models import LookupDrafter
     from models import tiny_drafter
@@ -283,18 +300,17 @@ def test_bfloat16_decoding_equals_plain_decoding_through_the_kernel(method):
     for b, p in enumerate(prompts):
         ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
 
-    def run(kernel: bool):
-        attention.USE_FEW_ROWS_KERNEL = kernel
-        try:
-            ar = SpeculativeDecoder(model, None, "ar").generate(ids, mask, max_new_tokens=40)
-            refs = [torch.cat([p, ar.sequences[b, width:]]) for b, p in enumerate(prompts)]
-            drafter = LookupDrafter(tiny_drafter(model).to(torch.bfloat16), refs, miss=0.3)
-            out = SpeculativeDecoder(model, drafter, method, budget=12, width=4, K=6).generate(ids, mask,
-                                                                                             max_new_tokens=40)
-            return ar.sequences, out
-        finally:
-            attention.USE_FEW_ROWS_KERNEL = True
+    def run():
+        ar = SpeculativeDecoder(model, None, "ar").generate(ids, mask, max_new_tokens=40)
+        refs = [torch.cat([p, ar.sequences[b, width:]]) for b, p in enumerate(prompts)]
+        drafter = LookupDrafter(tiny_drafter(model).to(torch.bfloat16), refs, miss=0.3)
+        out = SpeculativeDecoder(model, drafter, method, budget=12, width=4, K=6).generate(ids, mask, max_new_tokens=40)
+        return ar.sequences, out
 
-    ar, out = run(True)
-    assert out.stats.tau > 1.5
+    monkeypatch.setattr(attention, "USE_FEW_ROWS_KERNEL", True)
+    calls = []
+    real = ops.few_rows_attention
+    monkeypatch.setattr(ops, "few_rows_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    ar, out = run()
+    assert out.stats.tau > 1.5 and max(calls) > 1  # trees went through the kernel
     assert torch.equal(out.sequences, ar)

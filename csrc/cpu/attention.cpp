@@ -15,7 +15,8 @@
 // plain step does, in bfloat16 too. Every reduction runs over 64-byte-aligned float32 buffers
 // (the keys and values are widened or copied into them first), so vectorised code never splits a
 // sum differently from one call to the next. A row whose mask hides every key falls back to the
-// full formula over all keys (what SDPA computes for such a row).
+// full formula over all keys (what SDPA computes for such a row); a row whose scores are all -inf
+// (a mask of -inf everywhere) gives 0, as SDPA does.
 //
 // The work per (batch, key/value head, query row) shares each key and value row among the query
 // heads that read it (grouped-query attention without repeating the cache); those units run in
@@ -204,6 +205,11 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
       float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)  // (the maximum is the same whatever the order)
       for (int64_t i = 0; i < n; ++i) top = sc[i] > top ? sc[i] : top;
+      if (top == -std::numeric_limits<float>::infinity()) {  // every score -inf: 0, as SDPA gives
+        for (int64_t i = 0; i < n; ++i) sc[i] = 0.0f;
+        u.inv[r] = 0.0f;
+        continue;
+      }
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
