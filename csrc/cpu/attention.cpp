@@ -298,6 +298,7 @@ void attention_units(const at::Tensor& query, const at::Tensor& key, const at::T
     u.dv_padded = dv_padded;
     u.scale = scale;
     u.keys_t = scratch.data_ptr<float>();
+    TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(u.keys_t) % 64 == 0, "few_rows_attention: scratch not 64-byte aligned");
     u.values = u.keys_t + d * padded;
     u.scores = u.values + slots * dv_padded;
     u.query = u.scores + rep * padded;
