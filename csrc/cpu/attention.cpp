@@ -18,7 +18,7 @@
 // full formula over all keys (what SDPA computes for such a row); a row whose scores are all -inf
 // (a mask of -inf everywhere) gives 0, as SDPA does.
 //
-// The work per (batch, key/value head, query row) shares each key and value row among the query
+// The work per (batch, key/value head, chunk of query rows) shares each key and value row among the query
 // heads that read it (grouped-query attention without repeating the cache); those units run in
 // parallel chunks.
 #include <ATen/ATen.h>
@@ -275,7 +275,14 @@ void attention_units(const at::Tensor& query, const at::Tensor& key, const at::T
   T* o = static_cast<T*>(out.data_ptr());
   const float* m = mask.defined() ? mask.data_ptr<float>() : nullptr;
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides(), os = out.strides();
-  const int64_t units = batch * kv_heads, padded = round_up(slots), dv_padded = round_up(dv);
+  const int64_t heads_units = batch * kv_heads, padded = round_up(slots), dv_padded = round_up(dv);
+  // Few (batch, key/value head) units and several rows: each unit's rows split in chunks, so the
+  // threads share the work evenly (each chunk widens its head's keys again; rows stay independent).
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = heads_units < 2 * threads && rows >= 8
+                             ? std::min<int64_t>((2 * threads + heads_units - 1) / heads_units, rows / 4)
+                             : 1;
+  const int64_t per_chunk = (rows + chunks - 1) / chunks, units = heads_units * chunks;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     at::Tensor scratch = at::empty({d * padded + slots * dv_padded + rep * padded + round_up(rep * d) + rep * dv_padded + kAlign},
                                    at::TensorOptions().dtype(at::kFloat));
@@ -290,7 +297,6 @@ void attention_units(const at::Tensor& query, const at::Tensor& key, const at::T
     u.out_head_stride = os[1];
     u.out_row_stride = os[2];
     u.rep = rep;
-    u.rows = rows;
     u.d = d;
     u.dv = dv;
     u.slots = slots;
@@ -306,12 +312,15 @@ void attention_units(const at::Tensor& query, const at::Tensor& key, const at::T
     u.inv = u.acc + rep * dv_padded;
     u.visible = visible.data();
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t g = unit % kv_heads, b = unit / kv_heads;
-      u.q = q + b * qs[0] + g * rep * qs[1];
-      u.out = o + b * os[0] + g * rep * os[1];
+      const int64_t c = unit % chunks, g = (unit / chunks) % kv_heads, b = unit / (chunks * kv_heads);
+      const int64_t t0 = c * per_chunk;
+      u.rows = std::min(rows, t0 + per_chunk) - t0;
+      if (u.rows <= 0) continue;
+      u.q = q + b * qs[0] + g * rep * qs[1] + t0 * qs[2];
+      u.out = o + b * os[0] + g * rep * os[1] + t0 * os[2];
       u.k = k + b * ks[0] + g * ks[1];
       u.v = v + b * vs[0] + g * vs[1];
-      u.mask = m ? m + b * mask.stride(0) : nullptr;
+      u.mask = m ? m + b * mask.stride(0) + t0 * mask.stride(2) : nullptr;
       attend<T>(u);
     }
   });
