@@ -7,6 +7,9 @@
 Tree ops run at each --batch and --nodes; selection ops at the shapes of the DARTree paper:
 select_top_w at P = 12 parents x K = 64 candidates -> W = 12, select_top_b on a 16 x 12 = 192-node
 supertree (plus root) -> B = 64, and ddtree_heap with D = 16, K = 64 at budgets 64, 256, 1024.
+`--only attention` (CPU): few_rows_attention against the packed SDPA it replaces
+(`dartree_ext.attention.gqa_attention`), SmolLM2's heads (9 over 3, head dim 64), bfloat16, --past
+cached keys, --attention-rows query rows under a tree mask.
 
 Prints a markdown table: median time per call of ours and of the reference, the ratio, and the
 size of the op's output (plus peak allocated memory on CUDA).
@@ -130,11 +133,13 @@ def select_cases(batch: int, device: torch.device, heap_budgets: list[int]):
                lambda b=budget: reference.ddtree_heap(logprobs, token_ids, roots, b))
 
 
-def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref) -> Row:
+def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref, atol: float = 0.0) -> Row:
+    """Times ``ours`` and ``ref`` after checking they agree: equal, or within ``atol`` (a
+    floating-point op against a different kernel)."""
     device = torch.device(dev_name)
     out = ours()
     expected = ref()
-    same = all(torch.equal(a, b) for a, b in zip(
+    same = all((torch.equal(a, b) if not atol else torch.allclose(a.float(), b.float(), atol=atol)) for a, b in zip(
         out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)))
     if not same:
         raise AssertionError(f"{name} {shape} on {dev_name}: ours and the reference disagree")
@@ -171,11 +176,32 @@ def kv_cases(batch: int, device: torch.device):
            lambda: (ops.compact_kv_layers_(ours_all, src, dst, lengths), ours_all[-1])[1], each_layer)
 
 
+def attention_cases(past: int, rows: list[int]):
+    """few_rows_attention against packed SDPA: a verification forward's shapes (9 query heads over 3
+    key/value heads, head dim 64, bfloat16), the last T of the `past` keys a causal tree's."""
+    from dartree_ext.attention import gqa_attention
+    gen = torch.Generator().manual_seed(0)
+    for t in rows:
+        q = torch.randn(1, 9, t, 64, generator=gen).bfloat16()
+        k, v = (torch.randn(1, 3, past, 64, generator=gen).bfloat16() for _ in range(2))
+        visible = torch.ones(1, 1, t, past, dtype=torch.bool)
+        visible[..., past - t:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        mask = torch.zeros(visible.shape, dtype=torch.bfloat16).masked_fill_(~visible, torch.finfo(torch.bfloat16).min)
+        yield (f"few_rows_attention vs packed SDPA (S={past}, bf16)", f"T={t}",
+               lambda q=q, k=k, v=v, m=mask: ops.few_rows_attention(q, k, v, m),
+               lambda q=q, k=k, v=v, m=mask: gqa_attention(q, k, v, m))
+
+
 def run(devices: list[str], batches: list[int], nodes: list[int], past: int, select_batches: list[int],
-        heap_budgets: list[int], only: str | None) -> list[Row]:
+        heap_budgets: list[int], only: str | None, attention_rows: list[int] = (1, 9, 17, 33)) -> list[Row]:
     rows = []
     for dev_name in devices:
         device = torch.device(dev_name)
+        if only == "attention":
+            if device.type == "cpu":
+                for name, shape, ours, ref in attention_cases(past, attention_rows):
+                    rows.append(measure(name, shape, 1, dev_name, ours, ref, atol=2e-2))
+            continue
         if only in (None, "select"):
             for batch in select_batches:
                 for name, shape, ours, ref in select_cases(batch, device, heap_budgets):
@@ -209,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=256, help="cached positions in the attention mask")
     parser.add_argument("--select-batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--heap-budget", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--only", choices=["tree", "select"], default=None)
+    parser.add_argument("--only", choices=["tree", "select", "attention"], default=None)
+    parser.add_argument("--attention-rows", type=int, nargs="+", default=[1, 9, 17, 33])
     args = parser.parse_args(argv)
     info = dartree_ext.build_info()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dartree_ext CUDA kernels: {info['cuda']}")
     if "cuda" in args.device:
         print(f"GPU: {torch.cuda.get_device_name()}")
     print(format_table(run(args.device, args.batch, args.nodes, args.past, args.select_batch, args.heap_budget,
-                           args.only)))
+                           args.only, args.attention_rows)))
     return 0
 
 

@@ -27,7 +27,7 @@ def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     float32 (or float64) logits. Reductions with indices do not vectorise over the reduced dimension on a CPU,
     ``amax`` does: the row is cut into blocks, the first block holding the row's maximum is found
     from the blocks' maxima (a short row), and the first maximum inside that block. About 4x
-    faster than ``max(-1).indices`` over 9-65 rows of 49152 (2-vCPU AMD EPYC, Zen 4). A row with
+    faster than ``max(-1).indices`` over 9-65 rows of 49152 (2-vCPU AMD EPYC, Zen 4; a one-off timing). A row with
     a NaN gets NaN's block, as ``max`` does; rows not cut evenly take ``max(-1).indices``."""
     size = logits.shape[-1]
     block = next((b for b in ARGMAX_BLOCKS if size % b == 0 and size >= 4 * b), None)

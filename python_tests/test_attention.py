@@ -95,6 +95,13 @@ def _tree_forward(model, n_prompt=12, parents=(-1, 0, 0, 1, 1, 2)):
                      **cache).logits
 
 
+def _count_rows(monkeypatch, module, name: str) -> list[int]:
+    """Wrap ``module.name`` (an attention function) so each call records its query rows."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    return calls
+
+
 def test_transformers_model_through_it(monkeypatch):
     """A tree forward of an SDPA model gives the same logits through gqa_attention, which runs in
     every layer (counted), while a prefill longer than MAX_PACKED_ROWS keeps SDPA's own path."""
@@ -103,9 +110,7 @@ def test_transformers_model_through_it(monkeypatch):
     plain = _tree_forward(model)
     assert use_packed_attention(model) and attention_kind(model) == NAME
     monkeypatch.setattr(attention, "USE_FEW_ROWS_KERNEL", False)  # the CPU kernel: its own test below
-    calls = []
-    real = attention.gqa_attention
-    monkeypatch.setattr(attention, "gqa_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    calls = _count_rows(monkeypatch, attention, "gqa_attention")
     packed = _tree_forward(model)
     assert calls == [6] * model.config.num_hidden_layers
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
@@ -271,9 +276,7 @@ def test_transformers_model_through_the_kernel(monkeypatch):
     model = tiny_target()
     plain = _tree_forward(model)
     assert use_packed_attention(model)
-    calls = []
-    real = ops.few_rows_attention
-    monkeypatch.setattr(ops, "few_rows_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    calls = _count_rows(monkeypatch, ops, "few_rows_attention")
     kernel = _tree_forward(model)
     assert calls == [6] * model.config.num_hidden_layers
     torch.testing.assert_close(kernel, plain, atol=1e-5, rtol=1e-5)
@@ -308,9 +311,7 @@ def test_bfloat16_decoding_equals_plain_decoding_through_the_kernel(method, monk
         return ar.sequences, out
 
     monkeypatch.setattr(attention, "USE_FEW_ROWS_KERNEL", True)
-    calls = []
-    real = ops.few_rows_attention
-    monkeypatch.setattr(ops, "few_rows_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    calls = _count_rows(monkeypatch, ops, "few_rows_attention")
     ar, out = run()
     assert out.stats.tau > 1.5 and max(calls) > 1  # trees went through the kernel
     assert torch.equal(out.sequences, ar)
