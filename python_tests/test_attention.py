@@ -167,7 +167,8 @@ def _hidden(visible: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("b,heads,kv_heads,t,s,d,dv", [(1, 9, 3, 9, 209, 64, 64), (2, 4, 4, 5, 37, 32, 32),
                                                         (1, 9, 3, 1, 201, 64, 64), (3, 8, 2, 17, 100, 128, 128),
                                                         (2, 16, 1, 3, 5, 80, 24), (1, 2, 2, 130, 7, 8, 8),
-                                                        (1, 6, 3, 4, 50, 64, 64), (2, 10, 2, 3, 33, 16, 48)])
+                                                        (1, 6, 3, 4, 50, 64, 64), (2, 10, 2, 3, 33, 16, 48),
+                                                        (1, 9, 3, 9, 256, 64, 64), (1, 4, 2, 3, 240, 32, 32)])
 @pytest.mark.parametrize("kind", ["none", "rows", "shared", "one_row_per_batch"])
 def test_few_rows_kernel_matches_reference(dtype, b, heads, kv_heads, t, s, d, dv, kind):
     gen = torch.Generator().manual_seed(b * 1000 + t * 10 + s)

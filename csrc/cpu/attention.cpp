@@ -47,6 +47,15 @@ constexpr int64_t kAlign = 16;     // floats: 64 bytes
 
 int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// The transposed keys' row stride: at least n floats, an odd number of 64-byte lines. The score
+// loop reads one line from each of d rows; rows a power-of-two number of lines apart (256 keys:
+// 1 KiB) fall in a few L1 sets and evict each other on every block (4-5x slower from 248 to 256
+// keys), while an odd number of lines spreads them over every set.
+int64_t key_stride(int64_t n) {
+  const int64_t padded = round_up(n);
+  return (padded / kAlign) % 2 == 0 ? padded + kAlign : padded;
+}
+
 constexpr int64_t kLanes = 16;  // key columns / value columns per register block
 
 // One unit of work: one (batch, key/value head), all its query rows.
@@ -173,7 +182,7 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
     for (int64_t c = dv; c < dvp; ++c) vf[c] = 0.0f;
   }
   for (int64_t c = 0; c < d; ++c)
-    for (int64_t j = slots; j < padded; ++j) u.keys_t[c * padded + j] = 0.0f;
+    for (int64_t j = slots; j < round_up(slots); ++j) u.keys_t[c * padded + j] = 0.0f;
   const T* qs = static_cast<const T*>(u.q);
   T* os = static_cast<T*>(u.out);
   for (int64_t t = 0; t < u.rows; ++t) {
@@ -191,7 +200,7 @@ DARTREE_VEC_INLINE void attend_unit(const Unit& u) {
       const int64_t g = std::min<int64_t>(kGroup, rep - r0);
       const float* q = u.query + r0 * d;
       float* sc = u.scores + r0 * padded;
-      for (int64_t jb = 0; jb < padded; jb += kLanes) {
+      for (int64_t jb = 0; jb < round_up(slots); jb += kLanes) {
         by_group(g, [&](auto group) { score_block<group()>(q, d, u.keys_t + jb, padded, sc + jb, padded); });
       }
     }
@@ -275,7 +284,7 @@ void attention_units(const at::Tensor& query, const at::Tensor& key, const at::T
   T* o = static_cast<T*>(out.data_ptr());
   const float* m = mask.defined() ? mask.data_ptr<float>() : nullptr;
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides(), os = out.strides();
-  const int64_t heads_units = batch * kv_heads, padded = round_up(slots), dv_padded = round_up(dv);
+  const int64_t heads_units = batch * kv_heads, padded = key_stride(slots), dv_padded = round_up(dv);
   // Few (batch, key/value head) units and several rows: each unit's rows split in chunks, so the
   // threads share the work evenly (each chunk widens its head's keys again; rows stay independent).
   const int64_t threads = at::get_num_threads();
