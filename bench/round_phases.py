@@ -7,6 +7,7 @@ the same prompt, the target set up as `dartree-generate` sets it up (`--dtype`, 
     python bench/round_phases.py --ops                            # top-level ATen calls a round, by phase
     python bench/round_phases.py --pairs 8                        # speedup over ar, 8 alternating pairs
     python bench/round_phases.py --cold 50                        # the drafter's pass after a target forward
+    python bench/round_phases.py --by-rows                        # the target's forward time by rows verified
 
 Each listed function is wrapped with a timer (a few microseconds per call, included in the
 figures); nested calls are counted in their callers too, so the rows do not add up. The target's
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="count the ATen calls of each phase")
     parser.add_argument("--pairs", type=int, default=0, metavar="N", help="N alternating ar / method pairs")
     parser.add_argument("--cold", type=int, default=0, metavar="N", help="the drafter's pass after a target forward")
+    parser.add_argument("--by-rows", action="store_true",
+                        help="the target's forward time by the number of rows it verifies (median per count)")
     args = parser.parse_args()
     target, tok, drafter, dtype, _, budget = _load_for_generate(args)
     text = args.prompt
@@ -61,6 +64,7 @@ def main() -> None:
 
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
+    by_rows: dict[int, list[float]] = collections.defaultdict(list)
 
     def timed(owner, name: str, label: str | None = None) -> None:
         fn, label = getattr(owner, name), label or name
@@ -76,6 +80,8 @@ def main() -> None:
             finally:
                 totals[label] += time.perf_counter() - start
                 calls[label] += 1
+                if label == "target.forward" and "input_ids" in k:
+                    by_rows[k["input_ids"].shape[1]].append(time.perf_counter() - start)
 
         setattr(owner, name, wrapper)
 
@@ -118,6 +124,7 @@ def main() -> None:
     for method in methods:
         totals.clear()
         calls.clear()
+        by_rows.clear()
         outs = [decode(method) for _ in range(args.repeats)]
         rounds = sum(o.stats.rounds for o in outs)
         tokens = sum(o.stats.new_tokens for o in outs)
@@ -126,6 +133,9 @@ def main() -> None:
               f"{1e3 * seconds / rounds:.2f} ms a round, {1e3 * seconds / tokens:.2f} ms a token")
         for label, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
             print(f"   {label:28s} {1e3 * secs / rounds:8.3f} ms/round   calls {calls[label]}")
+        if args.by_rows:  # (the prefills are the calls with the most rows)
+            print("   target forward by rows: " + ", ".join(
+                f"{n}: {1e3 * statistics.median(t):.1f} ms x{len(t)}" for n, t in sorted(by_rows.items())))
 
 
 def print_pairs(decode, method: str, pairs: int) -> None:

@@ -42,9 +42,19 @@ def candidates(base_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 
 
 def supertree_as_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                      root_tokens: torch.Tensor) -> Tree:
-    """Prepend the root and drop padding (depth -1), keeping depth-major order (topological)."""
+                      root_tokens: torch.Tensor, padded: bool = True) -> Tree:
+    """Prepend the root and drop padding (depth -1), keeping depth-major order (topological).
+    ``padded=False`` promises there is none (``build_supertree`` pads a depth only when its
+    parents have fewer than its width of candidates in all: K < W): the root is prepended and
+    the parents shifted, nothing moves."""
     batch, m = tokens.shape
+    if not padded:
+        root_col = torch.zeros(batch, 1, dtype=torch.int32, device=tokens.device)
+        return Tree(tokens=torch.cat([root_tokens[:, None], tokens], 1),
+                    parents=torch.cat([root_col - 1, parents + 1], 1),  # -1 (the root) becomes 0
+                    depths=torch.cat([root_col, depths], 1),
+                    scores=torch.cat([root_col.to(scores.dtype), scores], 1),
+                    num_nodes=torch.full((batch,), m + 1, dtype=torch.int32, device=tokens.device))
     valid = depths >= 0
     # stable order: valid nodes first, in their original order
     order = torch.sort((~valid).int(), dim=1, stable=True).indices
@@ -98,7 +108,7 @@ def build_dartree(head: CorrectionHeadWeights, drafter_hidden: torch.Tensor, bas
     supertree = ops.build_supertree(head, z.contiguous(), cand_ids.contiguous(),
                                     cand_base.to(head.w_s.dtype).contiguous(),
                                     root_state.to(head.w_s.dtype).contiguous(), widths, depth_bonus)
-    tree = supertree_as_tree(*supertree, root_tokens)
+    tree = supertree_as_tree(*supertree, root_tokens, padded=k < max(widths))
     return tree if fixed else prune(tree, budget)
 
 

@@ -239,6 +239,28 @@ def test_calibrator_learns_and_stays_monotone():
     assert float(fresh.predict(torch.tensor([float("nan")]))) < 1e-3     # NaN ranks as the worst score
 
 
+def test_calibrator_bins_and_numpy_path():
+    """The NumPy binning is the bin count rule ``sum(score <= edge)`` (edges themselves, -inf,
+    +inf, NaN as the worst), and updates through NumPy arrays equal updates through tensors."""
+    cal = AcceptanceCalibrator()
+    edges = cal.edges
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.cat([-torch.rand(500, generator=gen) * 12, edges, edges - 1e-6, edges + 1e-6,
+                        torch.tensor([0.0, 0.5, float("-inf"), float("inf"), float("nan")])])
+    expected = (scores.nan_to_num(nan=-1e30)[:, None] <= edges).sum(-1)
+    assert torch.equal(cal.bin_of(scores), expected)
+    hits = torch.rand(scores.shape, generator=gen) < 0.4
+    other = AcceptanceCalibrator()
+    cal.update(scores, hits)
+    other.update(scores.numpy(), hits.numpy())
+    assert torch.equal(cal.hits, other.hits) and torch.equal(cal.trials, other.trials)
+    assert torch.equal(cal.trials, torch.bincount(expected, minlength=len(edges) + 1).double())
+    before = cal.probabilities()
+    cal.update(torch.tensor([-0.01]), torch.tensor([False]))  # the cached probabilities follow the counts
+    assert not torch.equal(cal.probabilities(), before)
+    assert torch.equal(cal.predict(scores), torch.from_numpy(cal.predict_np(scores.numpy())))
+
+
 def test_calibrator_bad_bins():
     with pytest.raises(ValueError, match="negative"):
         AcceptanceCalibrator(bins=(0.5, -1.0))
@@ -398,6 +420,36 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
 # decoding with budget="auto" -------------------------------------------------------------------
 TREES_PAY = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)     # nodes nearly free: big trees
 PLAIN_WINS = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
+
+
+@pytest.mark.parametrize("estimator", ["score", "adaptive"])
+def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
+    """A hand-built round: the calibrator (and the adaptive level) learn from the verified draft
+    nodes alone, hits on the accepted path; not the root, padding or a grafted lookup node
+    (score -inf). A round with no verified draft feeds the depth-1 nodes against the target's
+    first token."""
+    from dartree_ext.tree import Tree
+    target, drafter, _, _ = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator, cost_model=TREES_PAY)
+    dec.calibrator, dec._level = AcceptanceCalibrator(), AcceptanceLevel()
+    ninf = float("-inf")
+    tree = Tree(tokens=torch.tensor([[5, 6, 7, 8, 9], [5, 1, 2, 3, 0]]),
+                parents=torch.tensor([[-1, 0, 0, 1, 0], [-1, 0, 1, 2, -1]], dtype=torch.int32),
+                depths=torch.tensor([[0, 1, 1, 2, 1], [0, 1, 2, 3, -1]], dtype=torch.int32),
+                scores=torch.tensor([[0.0, -0.3, -1.2, -0.6, ninf], [0.0, -0.04, -2.2, -4.5, ninf]]),
+                num_nodes=torch.tensor([5, 4], dtype=torch.int32))
+    accept = torch.tensor([[0, 1, 3, -1, -1], [0, 1, -1, -1, -1]], dtype=torch.int32)
+    dec._calibrate(tree, accept)
+    want, want_level = AcceptanceCalibrator(), AcceptanceLevel()
+    scores, hits = torch.tensor([-0.3, -1.2, -0.6, -0.04, -2.2, -4.5]), torch.tensor([1, 0, 1, 1, 0, 0.0])
+    want.update(scores, hits)
+    assert torch.equal(dec.calibrator.trials, want.trials) and torch.equal(dec.calibrator.hits, want.hits)
+    if estimator == "adaptive":
+        want_level.update(AcceptanceCalibrator().predict(scores), torch.tensor([1, 1, 2, 1, 2, 3]), hits)
+        assert dec._level.factor == pytest.approx(want_level.factor) and dec._level.factor != 1.0
+    dec._calibrate_unverified(tree, torch.tensor([7, 3]))   # row 0: node 2 right; row 1: node 1 wrong
+    want.update(torch.tensor([-0.3, -1.2, ninf, -0.04]), torch.tensor([0, 1, 0, 0.0]))
+    assert torch.equal(dec.calibrator.trials, want.trials) and torch.equal(dec.calibrator.hits, want.hits)
 
 
 @pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])

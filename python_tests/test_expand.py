@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dartree_ext import reference
+from dartree_ext import ops, reference
 from dartree_ext.head import CorrectionHeadWeights
 from dartree_ext.tree import build_dartree, candidates, seq_heap, supertree_as_tree, prune
 
@@ -236,3 +236,23 @@ def test_head_state_size_limit(g, ok):
     else:
         with pytest.raises(ValueError, match="G <= 3040"):
             ops.build_supertree(*args)
+
+
+@pytest.mark.parametrize("k,widths", [(3, [3, 5, 4]), (4, [2, 2, 2, 2]), (6, [6, 1, 3])])
+def test_supertree_as_tree_unpadded_fast_path(k, widths):
+    """With K >= every width there is no padding: the fast path (root prepended, parents shifted)
+    gives the tree the general path (sort padding out) gives; with padding the general path
+    drops it (K < W at depth 1)."""
+    batch = 2
+    head, z, cand_ids, cand_base, root_state = make_inputs(batch, len(widths), k, torch.float32, seed=k)
+    roots = torch.tensor([7, 9])
+    sup = ops.build_supertree(head, z, cand_ids, cand_base, root_state, widths, -0.2)
+    assert bool((sup[2] >= 0).all())
+    fast, general = supertree_as_tree(*sup, roots, padded=False), supertree_as_tree(*sup, roots)
+    for field in ("tokens", "parents", "depths", "scores", "num_nodes"):
+        assert torch.equal(getattr(fast, field), getattr(general, field)), field
+        assert getattr(fast, field).dtype == getattr(general, field).dtype, field
+    padded = ops.build_supertree(head, z, cand_ids, cand_base, root_state, [k + 2] + widths[1:], -0.2)
+    assert bool((padded[2] < 0).any())
+    tree = supertree_as_tree(*padded, roots)
+    assert tree.num_nodes.tolist() == [1 + k + sum(widths[1:])] * batch

@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -243,40 +244,65 @@ class AcceptanceCalibrator:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.edges = torch.tensor(edges, dtype=torch.float32)  # descending upper edges
+        self._ascending = np.asarray(edges[::-1], dtype=np.float32)
         upper = torch.cat([torch.zeros(1), self.edges])
         lower = torch.cat([self.edges, self.edges[-1:] - 2.0])
         self.prior = ((upper + lower) / 2).exp().clamp(1e-4, 0.999)  # bin i covers (edges[i], upper[i]]
         self.prior_weight = float(prior_weight)
         self.hits = torch.zeros(len(upper), dtype=torch.float64)
         self.trials = torch.zeros(len(upper), dtype=torch.float64)
+        self._updates = 0  # counts in-place updates (the cached probabilities' key)
+
+    def bins_np(self, scores: np.ndarray) -> np.ndarray:
+        """Bin index of each score (0 = the best bin; NaN falls in the worst), as a NumPy array.
+        The decoder's per-round calls go through NumPy: a round's few dozen scores cost a few
+        microseconds here, where the same steps as torch calls cost tens of them each."""
+        s = np.nan_to_num(np.asarray(scores, dtype=np.float32), nan=-1e30)
+        # the number of upper edges >= s: s <= edges[i] for the first (edges >= s) bins
+        return len(self._ascending) - np.searchsorted(self._ascending, s, side="left")
 
     def bin_of(self, scores: torch.Tensor) -> torch.Tensor:
         """Bin index of each score (0 = the best bin)."""
-        s = scores.detach().float().cpu().nan_to_num(nan=-1e30)
-        return (s[..., None] <= self.edges).sum(-1)
+        return torch.from_numpy(self.bins_np(scores.detach().float().cpu().numpy()))
+
+    def probabilities_np(self) -> np.ndarray:
+        """P(accepted) per bin (best bin first), as a float32 NumPy array, kept until the counts
+        change."""
+        cached = self.__dict__.get("_probs")  # (updates, hits, trials, probabilities)
+        if cached is not None and cached[0] == self._updates and cached[1] is self.hits and cached[2] is self.trials:
+            return cached[3]
+        w = self.prior_weight
+        hits, trials = self.hits.numpy(), self.trials.numpy()
+        p = ((hits + w * self.prior.double().numpy()) / (trials + w)).tolist()
+        # non-increasing from the best bin to the worst, each bin weighted by its evidence
+        probs = np.asarray(isotonic(p, (trials + w).tolist(), increasing=False), dtype=np.float32)
+        self.__dict__["_probs"] = (self._updates, self.hits, self.trials, probs)
+        return probs
 
     def probabilities(self) -> torch.Tensor:
-        """P(accepted) per bin (best bin first), kept until the counts change."""
-        cached = self.__dict__.get("_probs")
-        if cached is not None and cached[0] is self.hits and cached[1] is self.trials:
-            return cached[2]
-        w = self.prior_weight
-        p = ((self.hits + w * self.prior.double()) / (self.trials + w)).tolist()
-        # non-increasing from the best bin to the worst, each bin weighted by its evidence
-        probs = torch.tensor(isotonic(p, (self.trials + w).tolist(), increasing=False), dtype=torch.float32)
-        self.__dict__["_probs"] = (self.hits, self.trials, probs)
-        return probs
+        """P(accepted) per bin (best bin first)."""
+        return torch.from_numpy(self.probabilities_np().copy())
+
+    def predict_np(self, scores: np.ndarray) -> np.ndarray:
+        """P(accepted) for each score (same shape, float32 NumPy)."""
+        return self.probabilities_np()[self.bins_np(scores)]
 
     def predict(self, scores: torch.Tensor) -> torch.Tensor:
         """P(accepted) for each score (same shape, float32, CPU)."""
-        return self.probabilities()[self.bin_of(scores)]
+        return torch.from_numpy(self.predict_np(scores.detach().float().cpu().numpy()))
 
-    def update(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
-        """``scores`` of the verified draft nodes and whether each was on the accepted path."""
-        idx = self.bin_of(scores).reshape(-1)
-        self.trials = self.trials + torch.bincount(idx, minlength=len(self.trials)).double()
-        self.hits = self.hits + torch.bincount(idx, weights=accepted.reshape(-1).cpu().double(),
-                                               minlength=len(self.hits)).double()
+    def update(self, scores: torch.Tensor | np.ndarray, accepted: torch.Tensor | np.ndarray) -> None:
+        """``scores`` of the verified draft nodes and whether each was on the accepted path
+        (torch tensors or NumPy arrays)."""
+        if isinstance(scores, torch.Tensor):
+            scores = scores.detach().float().cpu().numpy()
+        if isinstance(accepted, torch.Tensor):
+            accepted = accepted.detach().cpu().double().numpy()
+        idx = self.bins_np(scores).reshape(-1)
+        n = len(self.trials)
+        self.trials.numpy()[:] += np.bincount(idx, minlength=n)
+        self.hits.numpy()[:] += np.bincount(idx, weights=np.asarray(accepted, dtype=np.float64).reshape(-1), minlength=n)
+        self._updates += 1
 
     def state_dict(self) -> dict:
         return {"bins": self.edges.tolist(), "hits": self.hits.tolist(), "trials": self.trials.tolist()}
@@ -335,17 +361,19 @@ class AcceptanceLevel:
     def update(self, probs: torch.Tensor, depths: torch.Tensor, hits: torch.Tensor) -> None:
         """One round's evidence: the calibrated probabilities of the nodes it checked, their depths
         (>= 1) and whether each was accepted."""
-        depths = depths.reshape(-1).long().cpu()
-        if depths.numel() == 0:
+        depths, probs, hits = (t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+                               for t in (depths, probs, hits))
+        depths = depths.reshape(-1).astype(np.int64)
+        if depths.size == 0:
             return
         if int(depths.min()) < 1:
             raise ValueError("node depths must be >= 1 (the root is not a draft)")
-        per_depth = torch.bincount(depths, weights=probs.reshape(-1).double().cpu()).tolist()
+        per_depth = np.bincount(depths, weights=probs.reshape(-1).astype(np.float64)).tolist()
         keep = self.decay
         self.expected = [keep * v for v in self.expected] + [0.0] * max(0, len(per_depth) - len(self.expected))
         for d, v in enumerate(per_depth):
             self.expected[d] += v
-        self.hits = keep * self.hits + float(hits.reshape(-1).double().sum())
+        self.hits = keep * self.hits + float(hits.reshape(-1).astype(np.float64).sum())
         self.factor = self._solve()
 
     def _solve(self) -> float:
@@ -364,10 +392,14 @@ class AcceptanceLevel:
             lo, hi = (mid, hi) if expected(mid) < target else (lo, mid)
         return 0.5 * (lo + hi)
 
-    def scale(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """``min(probs * factor**depths, p_max)`` (``probs`` where the factor is 1)."""
+    def scale(self, probs: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """``min(probs * factor**depths, p_max)`` (``probs`` where the factor is 1); NumPy arrays
+        in, a NumPy array out."""
         if self.factor == 1.0:
             return probs
+        if isinstance(probs, np.ndarray):
+            return np.minimum(probs * np.power(probs.dtype.type(self.factor), depths.astype(probs.dtype)),
+                              probs.dtype.type(self.p_max))
         return (probs * torch.pow(torch.tensor(self.factor, dtype=probs.dtype), depths.to(probs.dtype))).clamp(
             max=self.p_max)
 

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -599,22 +600,28 @@ class SpeculativeDecoder:
         A node's probability is its calibrated score, or with ``accept_prob [B, D]`` (the
         verification head's) ``accept_prob[depth - 1]`` times its path probability relative to
         the best node of its depth."""
+        if accept_prob is None:  # on the host, in NumPy: a round's few dozen nodes
+            scores, depths, num = self._on_host(tree, tree.scores, tree.depths)
+            scores, depths = scores[:, 1:].astype(np.float32), depths[:, 1:]
+            valid = np.arange(1, scores.shape[1] + 1)[None] < num[:, None]
+            scores = np.where(valid, scores, np.float32(-np.inf))
+            p = np.where(scores > -np.inf, self.calibrator.predict_np(scores), np.float32(0.0))
+            if self.estimator == "adaptive":
+                p = self._level.scale(p, np.maximum(depths, 0))
+            order = np.argsort(-scores, axis=1, kind="stable")  # best first; ties in node order
+            cum = np.take_along_axis(p, order, 1).cumsum(1, dtype=np.float32).sum(0, dtype=np.float32)
+            return torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), cum]))
         scores = tree.scores[:, 1:].float()
         valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
         scores = torch.where(valid, scores, float("-inf"))
-        if accept_prob is None:
-            scores = scores.cpu()
-            p = torch.where(scores > float("-inf"), self.calibrator.predict(scores), 0.0)
-            if self.estimator == "adaptive":
-                p = self._level.scale(p, tree.depths[:, 1:].cpu().clamp(min=0))
-        else:  # on the tree's device, then one transfer
-            depth = tree.depths[:, 1:].long().clamp(min=0)
-            best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
-            best = best.scatter_reduce(1, depth, scores, "amax")
-            rel = torch.where(valid, (scores - best.gather(1, depth)).exp(), 0.0)
-            at_depth = torch.cat([torch.ones_like(accept_prob[:, :1]), accept_prob.float()], 1)
-            p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
-            p, scores = torch.where(valid, p, 0.0).cpu(), scores.cpu()
+        # the verification head's probabilities: on the tree's device, then one transfer
+        depth = tree.depths[:, 1:].long().clamp(min=0)
+        best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
+        best = best.scatter_reduce(1, depth, scores, "amax")
+        rel = torch.where(valid, (scores - best.gather(1, depth)).exp(), 0.0)
+        at_depth = torch.cat([torch.ones_like(accept_prob[:, :1]), accept_prob.float()], 1)
+        p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
+        p, scores = torch.where(valid, p, 0.0).cpu(), scores.cpu()
         order = scores.argsort(dim=1, descending=True, stable=True)
         return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
 
@@ -1089,31 +1096,39 @@ class SpeculativeDecoder:
     # helpers --------------------------------------------------------------------------------
     def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
         """Feed the verified draft nodes (accepted or not) to the calibrator."""
-        n = tree.tokens.shape[1]
-        valid = torch.arange(n, device=tree.scores.device)[None] < tree.num_nodes[:, None]
-        valid &= tree.scores > float("-inf")  # not the grafted lookup nodes: they have no drafter score
-        valid[:, 0] = False
-        hit = torch.zeros_like(valid)
-        path = accept_nodes.long()
-        hit.scatter_(1, path.clamp(min=0), path >= 0)
-        hit[:, 0] = False
-        self._learn(tree.scores[valid], tree.depths[valid], hit[valid])
+        scores, depths, path, num = self._on_host(tree, tree.scores, tree.depths, accept_nodes)
+        # not the grafted lookup nodes: they have no drafter score
+        checked = (np.arange(scores.shape[1])[None] < num[:, None]) & (scores > -np.inf)
+        hits = np.zeros_like(checked)
+        rows, cols = np.nonzero(path >= 0)
+        hits[rows, path[rows, cols].astype(np.int64)] = True
+        self._learn(scores, depths, checked, hits)
 
     def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
         """A round that verified no draft still tells which depth-1 nodes were right (the
         target's token after the root): feed those, so a pessimistic calibration can recover."""
-        first = (tree.parents == 0) & (torch.arange(tree.tokens.shape[1], device=tree.tokens.device)[None]
-                                        < tree.num_nodes[:, None])
-        first[:, 0] = False
-        hit = first & (tree.tokens == target_first[:, None])
-        self._learn(tree.scores[first], tree.depths[first], hit[first])
+        scores, depths, parents, right, num = self._on_host(tree, tree.scores, tree.depths, tree.parents,
+                                                            tree.tokens == target_first[:, None])
+        checked = (parents == 0) & (np.arange(scores.shape[1])[None] < num[:, None])
+        self._learn(scores, depths, checked, checked & (right > 0))
 
-    def _learn(self, scores: torch.Tensor, depths: torch.Tensor, hits: torch.Tensor) -> None:
-        """Checked draft nodes to the calibrator (and, ``estimator="adaptive"``, to the call's
-        level, against what the calibration predicted for them before this round)."""
+    @staticmethod
+    def _on_host(tree: Tree, *columns: torch.Tensor) -> list[np.ndarray]:
+        """``columns`` (each ``[B, N]``) and ``tree.num_nodes`` as float64 NumPy arrays, in one
+        transfer."""
+        n = tree.tokens.shape[1]
+        host = torch.cat([c.double() for c in columns] + [tree.num_nodes[:, None].double()], 1).cpu().numpy()
+        return [host[:, i * n:(i + 1) * n] for i in range(len(columns))] + [host[:, -1]]
+
+    def _learn(self, scores: np.ndarray, depths: np.ndarray, checked: np.ndarray, hits: np.ndarray) -> None:
+        """The ``checked`` draft nodes (``[B, N]`` host arrays; the root, column 0, never counts)
+        and which of them were accepted (``hits``) to the calibrator (and, ``estimator="adaptive"``,
+        to the call's level, against what the calibration predicted for them before this round)."""
+        keep = checked[:, 1:]
+        scores, depths, hit = scores[:, 1:][keep].astype(np.float32), depths[:, 1:][keep], hits[:, 1:][keep]
         if self.estimator == "adaptive":
-            self._level.update(self.calibrator.predict(scores), depths, hits)
-        self.calibrator.update(scores, hits)
+            self._level.update(self.calibrator.predict_np(scores), depths, hit)
+        self.calibrator.update(scores, hit)
 
     def _new_cache(self):
         from transformers import DynamicCache
