@@ -68,6 +68,24 @@ def test_lookup_stats_learn_conditional_acceptance():
     assert stats.conditional(9) == stats.conditional(4)  # longer matches share the last bucket
 
 
+def test_lookup_stats_keep_new_nodes_apart_from_agreeing_ones():
+    """Tokens the drafter's tree already had and new nodes are learned in separate tables, and a
+    path multiplies each depth's conditional from its own table."""
+    from dartree_ext.decoding.decoder import _new_nodes
+    assert _new_nodes([0, 1, 1, 2]) == [False, True, False, True] and _new_nodes([1, 2]) == [True, True]
+    stats = LookupStats(max_depth=4, prior_weight=1.0)
+    prior = stats.conditional(4)
+    for _ in range(99):  # agreeing first tokens always right; the new second ones never
+        stats.update(4, proposed=3, accepted=1, new=[False, True, True])
+    agree, novel = stats.conditional(4, agree=True), stats.conditional(4)
+    assert agree[0] == pytest.approx((99 + prior[0]) / 100) and agree[1] == pytest.approx(prior[1])
+    assert novel[0] == pytest.approx(prior[0]) and novel[1] == pytest.approx(prior[1] / 100)
+    assert novel[2] == pytest.approx(prior[2])  # never reached
+    assert stats.path_probs(4, 2, [False, True]) == pytest.approx([agree[0], agree[0] * novel[1]])
+    assert stats.path_probs(4, 2) == pytest.approx([novel[0], novel[0] * novel[1]])
+    assert float(stats.trials.sum() + stats.agree_trials.sum()) == 2 * 99
+
+
 def small_tree() -> Tree:
     """Row 0: root -> 7 -> 8, root -> 9 (3 nodes); row 1: root alone, padded."""
     return Tree(tokens=torch.tensor([[1, 7, 9, 8], [2, 0, 0, 0]]),

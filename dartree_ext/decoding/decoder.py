@@ -213,6 +213,12 @@ def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K
                              f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
 
 
+def _new_nodes(added: Sequence[int]) -> list[bool]:
+    """Whether each continuation token is a new node, from :class:`ChainGraft`'s cumulative
+    counts of the nodes its first ``d + 1`` tokens add."""
+    return [a > (added[d - 1] if d else 0) for d, a in enumerate(added)]
+
+
 def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per row of ``prob [B, D]``, how many leading positions have ``prob >= threshold``."""
     return (prob >= threshold).int().cumprod(1).sum(1)
@@ -263,6 +269,7 @@ class _Batch:
     chains: list[list[int]] | None = None
     ngrams: list[int] | None = None
     drafted: list[int] | None = None  # per row, the nodes before the graft (the drafter's)
+    chain_new: list[list[bool]] | None = None  # per row, which continuation tokens are new nodes
 
     @property
     def rows(self) -> int:
@@ -274,7 +281,7 @@ class _Batch:
         self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
         self.position = self.length - self.pad
         self.full_tree = None
-        self.chains = self.ngrams = self.drafted = None
+        self.chains = self.ngrams = self.drafted = self.chain_new = None
 
     def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None, in_path: torch.Tensor) -> None:
         """Queue the target's ``features [R, W, F]`` of the slots ``length ..`` (where ``in_path``;
@@ -932,6 +939,7 @@ class SpeculativeDecoder:
             steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len)
             chains = [c[:steps] for c in chains]
         state.chains, state.ngrams, state.drafted = chains, ngrams, tree.num_nodes.tolist()
+        state.chain_new = [_new_nodes(a) for a in graft.added]
         return graft.tree(steps)
 
     def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
@@ -945,7 +953,8 @@ class SpeculativeDecoder:
         base_width = tree.tokens.shape[1]
         fixed = (drafted_ms if chosen else 0.0) + overhead
         num = tree.num_nodes.tolist()
-        probs = [self.lookup_stats.path_probs(n, len(c)) if c else [] for c, n in zip(chains, ngrams)]
+        probs = [self.lookup_stats.path_probs(n, len(c), _new_nodes(a)) if c else []
+                 for c, n, a in zip(chains, ngrams, added)]
         expected = rows + self._chosen_expected
         best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
@@ -1072,12 +1081,12 @@ class SpeculativeDecoder:
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         if state.chains is not None:
-            for row, (chain, n) in enumerate(zip(state.chains, state.ngrams)):
+            for row, (chain, n, new) in enumerate(zip(state.chains, state.ngrams, state.chain_new)):
                 if chain:
                     path, got = paths[row][1:accepted[row] + 1], 0
                     while got < min(len(chain), len(path)) and chain[got] == path[got]:
                         got += 1
-                    self.lookup_stats.update(n, len(chain), got)
+                    self.lookup_stats.update(n, len(chain), got, new)
                     stats.lookup_rounds += 1
                     stats.lookup_accepted += got
         keep = []

@@ -62,7 +62,12 @@ class ContextIndex:
 
 class LookupStats:
     """P(a continuation's token at depth ``d`` is accepted | the one before it was), per matched
-    n-gram length, learned online from a Beta prior of weight ``prior_weight``."""
+    n-gram length, learned online from a Beta prior of weight ``prior_weight``; in two tables:
+    tokens the drafter's tree did not have (new nodes: ``hits`` / ``trials``) and tokens it had
+    (``agree_hits`` / ``agree_trials``). The two differ: where the continuation agrees with the
+    drafter's tree both are likely right, and where it departs from it the drafter's own node was
+    often the right one, so one table over both would price a new node too high. Only new nodes
+    add expected tokens to a round (:meth:`SpeculativeDecoder._lookup_steps`)."""
 
     PRIOR = (0.3, 0.55, 0.65, 0.85)  # depth 1, by n-gram length 1, 2, 3, >= 4
     PRIOR_DEEPER = 0.75               # depths >= 2
@@ -73,28 +78,38 @@ class LookupStats:
         self.prior = torch.tensor([[r] + [self.PRIOR_DEEPER] * (max_depth - 1) for r in rows], dtype=torch.float64)
         self.hits = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
         self.trials = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
+        self.agree_hits = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
+        self.agree_trials = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
 
-    def conditional(self, ngram: int) -> list[float]:
-        """Per depth 1..max_depth: P(accepted | the previous continuation token accepted)."""
+    def conditional(self, ngram: int, agree: bool = False) -> list[float]:
+        """Per depth 1..max_depth: P(accepted | the previous continuation token accepted), for
+        new nodes, or (``agree``) for tokens the drafter's tree had."""
         i, w = min(ngram, self.max_ngram) - 1, self.prior_weight
-        return ((self.hits[i] + w * self.prior[i]) / (self.trials[i] + w)).tolist()
+        hits, trials = (self.agree_hits, self.agree_trials) if agree else (self.hits, self.trials)
+        return ((hits[i] + w * self.prior[i]) / (trials[i] + w)).tolist()
 
-    def path_probs(self, ngram: int, length: int) -> list[float]:
-        """P(the first ``d`` continuation tokens are all accepted), d = 1..length."""
+    def path_probs(self, ngram: int, length: int, new: Sequence[bool] | None = None) -> list[float]:
+        """P(the first ``d`` continuation tokens are all accepted), d = 1..length; ``new[d - 1]``:
+        whether token ``d`` is a new node (default: every one)."""
         out, p = [], 1.0
-        for c in self.conditional(ngram)[:length]:
-            p *= c
+        novel, agreeing = self.conditional(ngram), self.conditional(ngram, agree=True)
+        for d in range(min(length, self.max_depth)):
+            p *= novel[d] if new is None or new[d] else agreeing[d]
             out.append(p)
         return out
 
-    def update(self, ngram: int, proposed: int, accepted: int) -> None:
-        """A continuation of ``proposed`` tokens verified, its first ``accepted`` accepted."""
+    def update(self, ngram: int, proposed: int, accepted: int, new: Sequence[bool] | None = None) -> None:
+        """A continuation of ``proposed`` tokens verified, its first ``accepted`` accepted;
+        ``new[d]``: whether token ``d + 1`` was a new node (default: every one)."""
         if proposed <= 0:
             return
         i = min(ngram, self.max_ngram) - 1
         tried = min(accepted + 1, proposed, self.max_depth)
-        self.trials[i, :tried] += 1
-        self.hits[i, :min(accepted, self.max_depth)] += 1
+        for d in range(tried):
+            novel = new is None or new[d]
+            (self.trials if novel else self.agree_trials)[i, d] += 1
+            if d < accepted:
+                (self.hits if novel else self.agree_hits)[i, d] += 1
 
 
 class ChainGraft:
