@@ -84,6 +84,12 @@ def test_lookup_stats_keep_new_nodes_apart_from_agreeing_ones():
     assert stats.path_probs(4, 2, [False, True]) == pytest.approx([agree[0], agree[0] * novel[1]])
     assert stats.path_probs(4, 2) == pytest.approx([novel[0], novel[0] * novel[1]])
     assert float(stats.trials.sum() + stats.agree_trials.sum()) == 2 * 99
+    # per-regime priors: a sampled token matches a copied one less often than a greedy one
+    greedy, sample = LookupStats().conditional(2), LookupStats(regime="sample").conditional(2)
+    assert greedy[0] == LookupStats.PRIORS["greedy"][0][1] and sample[0] == LookupStats.PRIORS["sample"][0][1]
+    assert sample[0] < greedy[0] and sample[1] < greedy[1]
+    with pytest.raises(ValueError, match="regime"):
+        LookupStats(regime="beam")
 
 
 def small_tree() -> Tree:

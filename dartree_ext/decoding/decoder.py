@@ -734,7 +734,7 @@ class SpeculativeDecoder:
     def _lookup_stats_for(self, regime: str) -> LookupStats:
         """One :class:`LookupStats` per regime ("greedy" or "sample"), kept across calls."""
         if regime not in self._lookup_stats:
-            self._lookup_stats[regime] = LookupStats()
+            self._lookup_stats[regime] = LookupStats(regime=regime)
         return self._lookup_stats[regime]
 
     def _ensure_cost_model(self) -> None:

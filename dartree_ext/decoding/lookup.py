@@ -69,13 +69,20 @@ class LookupStats:
     often the right one, so one table over both would price a new node too high. Only new nodes
     add expected tokens to a round (:meth:`SpeculativeDecoder._lookup_steps`)."""
 
-    PRIOR = (0.3, 0.55, 0.65, 0.85)  # depth 1, by n-gram length 1, 2, 3, >= 4
-    PRIOR_DEEPER = 0.75               # depths >= 2
+    # The prior's centre: depth 1 by n-gram length 1, 2, 3, >= 4, then every depth >= 2; per
+    # regime ("greedy": T = 0, "sample": T > 0), rounded from what SmolLM2's decoding learned for
+    # new nodes on prompts outside the evaluation tables (`bench/lookup_stats.py --decode 0|1`).
+    PRIORS = {"greedy": ((0.15, 0.45, 0.7, 0.8), 0.75), "sample": ((0.15, 0.2, 0.35, 0.8), 0.6)}
+    PRIOR, PRIOR_DEEPER = PRIORS["greedy"]
 
-    def __init__(self, max_depth: int = 16, max_ngram: int = MAX_NGRAM, prior_weight: float = 4.0) -> None:
+    def __init__(self, max_depth: int = 16, max_ngram: int = MAX_NGRAM, prior_weight: float = 4.0,
+                 regime: str = "greedy") -> None:
+        if regime not in self.PRIORS:
+            raise ValueError(f"regime must be one of {', '.join(self.PRIORS)}, got {regime!r}")
         self.max_ngram, self.max_depth, self.prior_weight = max_ngram, max_depth, float(prior_weight)
-        rows = [self.PRIOR[min(n, len(self.PRIOR)) - 1] for n in range(1, max_ngram + 1)]
-        self.prior = torch.tensor([[r] + [self.PRIOR_DEEPER] * (max_depth - 1) for r in rows], dtype=torch.float64)
+        first, deeper = self.PRIORS[regime]
+        rows = [first[min(n, len(first)) - 1] for n in range(1, max_ngram + 1)]
+        self.prior = torch.tensor([[r] + [deeper] * (max_depth - 1) for r in rows], dtype=torch.float64)
         self.hits = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
         self.trials = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
         self.agree_hits = torch.zeros(max_ngram, max_depth, dtype=torch.float64)
