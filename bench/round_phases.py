@@ -8,6 +8,7 @@ the same prompt, the target set up as `dartree-generate` sets it up (`--dtype`, 
     python bench/round_phases.py --pairs 8                        # speedup over ar, 8 alternating pairs
     python bench/round_phases.py --cold 50                        # the drafter's pass after a target forward
     python bench/round_phases.py --by-rows                        # the target's forward time by rows verified
+    python bench/round_phases.py --plain-only --pairs 6           # a method's rounds when no tree pays, against ar
 
 Each listed function is wrapped with a timer (a few microseconds per call, included in the
 figures); nested calls are counted in their callers too, so the rows do not add up. The target's
@@ -51,6 +52,9 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="count the ATen calls of each phase")
     parser.add_argument("--pairs", type=int, default=0, metavar="N", help="N alternating ar / method pairs")
     parser.add_argument("--cold", type=int, default=0, metavar="N", help="the drafter's pass after a target forward")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="give the method a cost model under which no tree pays: every round a plain step "
+                             "(but the probes), what its rounds cost beyond ar's when drafting does not pay")
     parser.add_argument("--by-rows", action="store_true",
                         help="the target's forward time by the number of rows it verifies (median per count)")
     args = parser.parse_args()
@@ -103,7 +107,11 @@ def main() -> None:
                     timed(drafter, name, f"drafter.{name}")
 
     def decode(method: str):
-        dec = SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64,
+        extra = {}
+        if args.plain_only and method != "ar":  # a node costs 100 plain steps
+            from dartree_ext.decoding.cost import CostModel
+            extra = dict(budget="auto", cost_model=CostModel.from_curve({0: 20.0, 1: 2000.0, 4096: 4000.0}, draft_ms=50.0))
+        dec = SpeculativeDecoder(target, drafter, method, **{"budget": budget if method != "ar" else 64, **extra},
                                  width=args.width, K=args.K, depth_bonus=args.depth_bonus,
                                  estimator=args.estimator, lookup=args.lookup if method != "ar" else None)
         gen = torch.Generator().manual_seed(args.seed)
