@@ -38,8 +38,14 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("cache keys/values must be contiguous for in-place compaction")
     ops.compact_kv_layers_(tensors, src_positions, dst_start, lengths)
+    return crop_cache_(cache, new_length)
+
+
+def crop_cache_(cache, new_length: int | None):
+    """Cut a croppable cache (``DynamicCache``; not a ``StaticCache``) to ``new_length`` slots
+    (``None``: leave it). Returns ``cache``."""
     if new_length is not None and type(cache).__name__ != "StaticCache":
-        for layer in cache_layers(cache):
+        for layer in cache.layers:
             if layer.keys.shape[2] > new_length:
                 layer.keys = layer.keys[:, :, :new_length]
                 layer.values = layer.values[:, :, :new_length]

@@ -38,7 +38,7 @@ from ..models.drafter import DraftOutput
 from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
-from .cache import compact_cache_, select_requests_
+from .cache import compact_cache_, crop_cache_, select_requests_
 from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, cached_cost_model, choose_size, next_backoff,
                    running_average)
 from .eagle import StopRule, eagle3_draft
@@ -283,10 +283,16 @@ class _Batch:
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = self.chain_new = None
 
-    def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None, in_path: torch.Tensor) -> None:
+    def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None,
+                      in_path: torch.Tensor | None) -> None:
         """Queue the target's ``features [R, W, F]`` of the slots ``length ..`` (where ``in_path``;
+        ``None``: the first slot of every row;
         ``next_tokens [R, W]`` for an EAGLE-3 drafter) until :meth:`SpeculativeDecoder._flush_context`
         turns them into context vectors: a row and slot, the position and the feature per slot."""
+        if in_path is None:  # one slot a row
+            self.pending.append((torch.arange(self.rows, device=features.device), self.length, self.length - self.pad,
+                                 features[:, 0], None if next_tokens is None else next_tokens[:, 0]))
+            return
         rows, width = in_path.shape
         steps = torch.arange(width, device=features.device)[None]
         dst = (self.length[:, None] + steps)[in_path]
@@ -1039,18 +1045,26 @@ class SpeculativeDecoder:
         """The accepted path (root + accepted nodes) enters the cache and the drafter's context;
         the bonus token becomes the next root; the calibrator learns from the verified nodes."""
         device = run.device
-        lengths = (verdict.accept_len + 1).to(torch.int32)
         width = max(verdict.accepted) + 1
-        nodes = verdict.accept_nodes[:, :width].long()
-        in_path = torch.arange(width, device=device)[None] < lengths[:, None]
-        nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
+        if width == 1:  # every row keeps its root alone (a plain step, or no draft accepted)
+            lengths = torch.ones_like(verdict.accept_len)
+            nodes, in_path = torch.zeros_like(state.length)[:, None], None
+        else:
+            lengths = (verdict.accept_len + 1).to(torch.int32)
+            nodes = verdict.accept_nodes[:, :width].long()
+            in_path = torch.arange(width, device=device)[None] < lengths[:, None]
+            nodes = torch.where(in_path, nodes, nodes.gather(1, (lengths.long() - 1)[:, None]))
+        in_place = width == 1 and all(n == state.cache_len for n in state.host_length)  # the root is where it goes
         state.host_length = [n + a + 1 for n, a in zip(state.host_length, verdict.accepted)]
         new_length = max(state.host_length)
-        compact_cache_(state.cache, (state.cache_len + nodes).contiguous(), state.length.contiguous(), lengths,
-                       new_length=new_length)
+        if in_place:
+            crop_cache_(state.cache, new_length)
+        else:
+            compact_cache_(state.cache, (state.cache_len + nodes).contiguous(), state.length.contiguous(), lengths,
+                           new_length=new_length)
         if run.drafting:
             feats = self.drafter.target_features(verdict.hidden_states)  # only the chosen layers, then the path
-            feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+            feats = feats[:, :1] if width == 1 else feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
             nxt = None
             if self._eagle3:  # the token after each path slot (the bonus after the last)
                 nxt = torch.cat([tree.tokens.gather(1, nodes)[:, 1:], verdict.bonus[:, None]], 1)
