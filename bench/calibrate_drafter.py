@@ -17,7 +17,7 @@ import os
 import torch
 
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
-from dartree_ext.decoding.cost import AcceptanceCalibrator, CostModel
+from dartree_ext.decoding.cost import DepthCalibrator, CostModel
 from dartree_ext.decoding.decoder import AUTO_METHODS
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models.drafter import CALIBRATION_NAME
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     out = {}
     for method in [m for m in args.methods.split(",") if m]:
         for regime, temperature in (("greedy", 0.0), ("sample", 1.0)):
-            cal = AcceptanceCalibrator()
+            cal = DepthCalibrator.fresh()
             dec = SpeculativeDecoder(target, drafter, method, budget="auto", max_budget=args.budget, cost_model=free,
                                      calibrator=cal)
             gen = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             out[f"{method}@{regime}"] = cal.state_dict()
             rate = cal.hits.sum() / cal.trials.sum().clamp(min=1)
             print(f"{method}@{regime}: {int(cal.trials.sum())} nodes verified, {float(rate):.3f} accepted; "
-                  f"per bin {[round(float(x), 3) for x in cal.probabilities()]}")
+                  f"per depth class and bin {[[round(float(x), 3) for x in c.probabilities()] for c in cal.classes]}")
     with open(os.path.join(args.drafter, CALIBRATION_NAME), "w") as f:
         json.dump(out, f)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,8 @@ pytest.importorskip("transformers")
 
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
-from dartree_ext.decoding.cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, choose_size  # noqa: E402
+from dartree_ext.decoding.cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator,  # noqa: E402
+                                       choose_size)
 from dartree_ext.decoding.decoder import AUTO_METHODS, PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
@@ -431,7 +433,7 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
     from dartree_ext.tree import Tree
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator, cost_model=TREES_PAY)
-    dec.calibrator, dec._level = AcceptanceCalibrator(), AcceptanceLevel()
+    dec.calibrator, dec._level = DepthCalibrator.fresh(), AcceptanceLevel()
     ninf = float("-inf")
     tree = Tree(tokens=torch.tensor([[5, 6, 7, 8, 9], [5, 1, 2, 3, 0]]),
                 parents=torch.tensor([[-1, 0, 0, 1, 0], [-1, 0, 1, 2, -1]], dtype=torch.int32),
@@ -440,16 +442,40 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
                 num_nodes=torch.tensor([5, 4], dtype=torch.int32))
     accept = torch.tensor([[0, 1, 3, -1, -1], [0, 1, -1, -1, -1]], dtype=torch.int32)
     dec._calibrate(tree, accept)
-    want, want_level = AcceptanceCalibrator(), AcceptanceLevel()
-    scores, hits = torch.tensor([-0.3, -1.2, -0.6, -0.04, -2.2, -4.5]), torch.tensor([1, 0, 1, 1, 0, 0.0])
-    want.update(scores, hits)
-    assert torch.equal(dec.calibrator.trials, want.trials) and torch.equal(dec.calibrator.hits, want.hits)
+    want = [AcceptanceCalibrator() for _ in range(3)]                  # depth 1, 2, >= 3
+    want[0].update(torch.tensor([-0.3, -1.2, -0.04]), torch.tensor([1, 0, 1.0]))
+    want[1].update(torch.tensor([-0.6, -2.2]), torch.tensor([1, 0.0]))
+    want[2].update(torch.tensor([-4.5]), torch.tensor([0.0]))
+    for got, w in zip(dec.calibrator.classes, want):
+        assert torch.equal(got.trials, w.trials) and torch.equal(got.hits, w.hits)
     if estimator == "adaptive":
-        want_level.update(AcceptanceCalibrator().predict(scores), torch.tensor([1, 1, 2, 1, 2, 3]), hits)
+        want_level = AcceptanceLevel()
+        want_level.update(AcceptanceCalibrator().predict(torch.tensor([-0.3, -1.2, -0.6, -0.04, -2.2, -4.5])),
+                          torch.tensor([1, 1, 2, 1, 2, 3]), torch.tensor([1, 0, 1, 1, 0, 0.0]))
         assert dec._level.factor == pytest.approx(want_level.factor) and dec._level.factor != 1.0
     dec._calibrate_unverified(tree, torch.tensor([7, 3]))   # row 0: node 2 right; row 1: node 1 wrong
-    want.update(torch.tensor([-0.3, -1.2, ninf, -0.04]), torch.tensor([0, 1, 0, 0.0]))
-    assert torch.equal(dec.calibrator.trials, want.trials) and torch.equal(dec.calibrator.hits, want.hits)
+    want[0].update(torch.tensor([-0.3, -1.2, ninf, -0.04]), torch.tensor([0, 1, 0, 0.0]))
+    for got, w in zip(dec.calibrator.classes, want):
+        assert torch.equal(got.trials, w.trials) and torch.equal(got.hits, w.hits)
+
+
+def test_depth_calibrator_classes_and_saved_states():
+    """A depth class per depth up to the last, which takes every deeper node; one lookup gives each
+    node its class's probability; a state saved without depths starts every class; bad input."""
+    cal = DepthCalibrator.fresh(2)
+    cal.update(np.full(50, -0.3, dtype=np.float32), np.ones(50), np.ones(50))          # depth 1: always
+    cal.update(np.full(50, -0.3, dtype=np.float32), np.zeros(50), np.full(50, 4))      # depth 4 -> class 2: never
+    p = cal.predict_np(np.array([-0.3, -0.3, -0.3], dtype=np.float32), np.array([1, 2, 7]))
+    assert p[0] > 0.9 and p[1] < 0.2 and p[2] == p[1]  # (pooled with the worse bins' priors: isotonic)
+    assert cal.trials.shape == (2, 16) and float(cal.trials.sum()) == 100
+    again = DepthCalibrator.from_state(json.loads(json.dumps(cal.state_dict())))
+    assert torch.equal(again.hits, cal.hits) and torch.equal(again.trials, cal.trials)
+    flat = DepthCalibrator.from_state(cal.classes[0].state_dict(), depths=3)    # counts without depths
+    assert len(flat.classes) == 3 and all(torch.equal(c.trials, cal.classes[0].trials) for c in flat.classes)
+    with pytest.raises(ValueError, match="same score bins"):
+        DepthCalibrator([AcceptanceCalibrator(), AcceptanceCalibrator(bins=(-1.0, -2.0))])
+    with pytest.raises(ValueError, match="calibration state"):
+        DepthCalibrator.from_state({"by_depth": []})
 
 
 @pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])
@@ -565,12 +591,13 @@ def test_decoder_starts_from_the_drafters_saved_calibration(setup, tmp_path):
                                                                        "dartree@greedy": {"hits": [1]}}), target)
     assert set(drafter.calibration) == {"ddtree@greedy", "dartree@greedy"}
     dec = SpeculativeDecoder(target, drafter, "ddtree", budget="auto", K=8, cost_model=TREES_PAY)
-    assert float(dec.calibrator.predict(torch.tensor([-0.6]))) > 0.85          # from the saved counts (prior: 0.54)
-    assert float(dec.calibrator.trials.sum()) == pytest.approx(32.0)            # capped
+    for depth in (1, 2, 3):                                                     # counts without depths start each class
+        assert float(dec.calibrator.predict_np(np.float32([-0.6]), np.array([depth]))[0]) > 0.85  # (prior: 0.54)
+    assert dec.calibrator.trials.sum(1).tolist() == pytest.approx([32.0] * 3)   # capped
     check_greedy(dec, prompts, refs, NEW)
     dec.generate(prompts[0][None], max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert set(dec._calibrators) == {"greedy", "sample"}
-    assert float(dec._calibrators["sample"].predict(torch.tensor([-0.6]))) < 0.6    # no saved sample counts
+    assert float(dec._calibrators["sample"].predict_np(np.float32([-0.6]), np.array([1]))[0]) < 0.6  # none saved
     bad = SpeculativeDecoder(target, drafter, "dartree", budget="auto", K=8, cost_model=TREES_PAY)
     assert float(bad.calibrator.trials.sum()) == 0.0
 

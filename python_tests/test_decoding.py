@@ -353,19 +353,19 @@ def test_score_estimator_expected_accepted_by_hand(setup, estimator):
     """E[n] from calibrated scores on a hand-built batch of two: each row's nodes best first
     (ties in node order), padding and the root left out, the rows' sums added; the adaptive
     level scales node d's probability by factor**d (capped)."""
-    from dartree_ext.decoding.cost import AcceptanceCalibrator, AcceptanceLevel, CostModel
+    from dartree_ext.decoding.cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator
     from dartree_ext.tree import Tree
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,
                              cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
-    dec.calibrator, dec._level = AcceptanceCalibrator(), AcceptanceLevel()
+    dec.calibrator, dec._level = DepthCalibrator([AcceptanceCalibrator()]), AcceptanceLevel()  # every depth alike
     dec._level.factor = 0.5
     tree = Tree(tokens=torch.tensor([[5, 6, 7, 8], [5, 1, 2, 0]]),
                 parents=torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]], dtype=torch.int32),
                 depths=torch.tensor([[0, 1, 1, 2], [0, 1, 2, -1]], dtype=torch.int32),
                 scores=torch.tensor([[0.0, -0.6, -0.3, -0.6], [0.0, -2.2, -4.5, -0.01]]),
                 num_nodes=torch.tensor([4, 3], dtype=torch.int32))
-    p = dec.calibrator.predict(torch.tensor([-0.3, -0.6, -0.6, -2.2, -4.5])).tolist()
+    p = dec.calibrator.classes[0].predict(torch.tensor([-0.3, -0.6, -0.6, -2.2, -4.5])).tolist()
     if estimator == "adaptive":
         p = [v * 0.5 ** d for v, d in zip(p, [1, 1, 2, 1, 2])]
     row0, row1 = [p[0], p[1], p[2]], [p[3], p[4], 0.0]         # -0.3 first, then -0.6 (node 1), -0.6 (node 3)

@@ -329,6 +329,64 @@ class AcceptanceCalibrator:
         return cal
 
 
+class DepthCalibrator:
+    """One :class:`AcceptanceCalibrator` per depth class: depth 1, 2, ..., and every depth from
+    ``len(classes)`` on in the last. A node's path score already falls with depth, but not by what
+    acceptance does: on MT-Bench at T = 1 a score-only calibration predicted 1.01x the accepted
+    depth-1 nodes, 1.09x at depth 2 and 2x at depth 3 (`docs/results/round_overhead_zen4.md`).
+    Every class shares the score bins, so one lookup gives every node's probability."""
+
+    def __init__(self, classes: Sequence[AcceptanceCalibrator]) -> None:
+        if not classes:
+            raise ValueError("DepthCalibrator needs at least one calibrator")
+        if any(not torch.equal(c.edges, classes[0].edges) for c in classes):
+            raise ValueError("every depth class must use the same score bins")
+        self.classes = list(classes)
+
+    @classmethod
+    def fresh(cls, depths: int = 3) -> "DepthCalibrator":
+        return cls([AcceptanceCalibrator() for _ in range(depths)])
+
+    @classmethod
+    def from_state(cls, state: dict, max_trials: float | None = None, depths: int = 3) -> "DepthCalibrator":
+        """From :meth:`state_dict` (``{"by_depth": [...]}``), or from one
+        :meth:`AcceptanceCalibrator.state_dict`, which then starts every depth class."""
+        states = state.get("by_depth") if isinstance(state, dict) else None
+        if states is None:
+            states = [state] * depths
+        if not isinstance(states, list) or not states:
+            raise ValueError("not a calibration state (by_depth must be a non-empty list)")
+        return cls([AcceptanceCalibrator.from_state(s, max_trials=max_trials) for s in states])
+
+    def state_dict(self) -> dict:
+        return {"by_depth": [c.state_dict() for c in self.classes]}
+
+    @property
+    def trials(self) -> torch.Tensor:
+        """Verified nodes per depth class and bin ``[classes, bins]``."""
+        return torch.stack([c.trials for c in self.classes])
+
+    @property
+    def hits(self) -> torch.Tensor:
+        return torch.stack([c.hits for c in self.classes])
+
+    def _class_of(self, depths: np.ndarray) -> np.ndarray:
+        return np.clip(np.asarray(depths, dtype=np.int64), 1, len(self.classes)) - 1
+
+    def predict_np(self, scores: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """P(accepted) for each (score, depth) (float32 NumPy, the shape of ``scores``)."""
+        probs = np.stack([c.probabilities_np() for c in self.classes])
+        return probs[self._class_of(depths), self.classes[0].bins_np(scores)]
+
+    def update(self, scores: np.ndarray, accepted: np.ndarray, depths: np.ndarray) -> None:
+        """Verified nodes' scores, whether each was accepted, and their depths (>= 1)."""
+        scores, accepted = np.asarray(scores, dtype=np.float32).reshape(-1), np.asarray(accepted).reshape(-1)
+        cls = self._class_of(depths).reshape(-1)
+        for c in np.unique(cls).tolist():
+            here = cls == c
+            self.classes[c].update(scores[here], accepted[here])
+
+
 class AcceptanceLevel:
     """How this decoding call's drafts fare against the calibration: one factor ``g`` by which a
     node's calibrated probability ``p`` at depth ``d`` becomes ``min(p * g**d, p_max)``.

@@ -39,8 +39,8 @@ from ..models.eagle3 import Eagle3Drafter
 from ..sampling import target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, crop_cache_, select_requests_
-from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, cached_cost_model, choose_size, next_backoff,
-                   running_average)
+from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
+                   next_backoff, running_average)
 from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, LookupStats
 
@@ -485,7 +485,7 @@ class SpeculativeDecoder:
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
                  method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
-                 calibrator: AcceptanceCalibrator | None = None, early_exit: float | StopRule | None = None,
+                 calibrator: AcceptanceCalibrator | DepthCalibrator | None = None, early_exit: float | StopRule | None = None,
                  estimator: str = "score", lookup: int | None = None) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
@@ -618,7 +618,7 @@ class SpeculativeDecoder:
             scores, depths = scores[:, 1:].astype(np.float32), depths[:, 1:]
             valid = np.arange(1, scores.shape[1] + 1)[None] < num[:, None]
             scores = np.where(valid, scores, np.float32(-np.inf))
-            p = np.where(scores > -np.inf, self.calibrator.predict_np(scores), np.float32(0.0))
+            p = np.where(scores > -np.inf, self.calibrator.predict_np(scores, depths), np.float32(0.0))
             if self.estimator == "adaptive":
                 p = self._level.scale(p, np.maximum(depths, 0))
             order = np.argsort(-scores, axis=1, kind="stable")  # best first; ties in node order
@@ -718,22 +718,26 @@ class SpeculativeDecoder:
             return full
         return max(1, min(full, max(self._recent_depths) + 2))
 
-    def _calibrator_for(self, regime: str) -> AcceptanceCalibrator:
-        """One calibrator per regime ("greedy" or "sample": acceptance differs), started from the
-        drafter's saved counts for this method (``calibration.json``, capped at
-        :data:`CALIBRATION_PRIOR_TRIALS` per bin) when it has them, else from the default prior."""
+    def _calibrator_for(self, regime: str) -> DepthCalibrator:
+        """One calibrator per regime ("greedy" or "sample": acceptance differs), per depth class
+        (:class:`DepthCalibrator`), started from the drafter's saved counts for this method
+        (``calibration.json``, capped at :data:`CALIBRATION_PRIOR_TRIALS` per bin; counts saved
+        without depths start every class) when it has them, else from the default prior. A
+        calibrator given to the constructor serves every depth (an ``AcceptanceCalibrator``) or
+        as it is (a ``DepthCalibrator``)."""
         if self._given_calibrator is not None:
-            return self._given_calibrator
+            given = self._given_calibrator
+            return given if isinstance(given, DepthCalibrator) else DepthCalibrator([given])
         if regime not in self._calibrators:
             saved = (getattr(self.drafter, "calibration", None) or {}).get(f"{self.method}@{regime}")
             if saved is not None:
                 try:
-                    cal = AcceptanceCalibrator.from_state(saved, max_trials=CALIBRATION_PRIOR_TRIALS)
+                    cal = DepthCalibrator.from_state(saved, max_trials=CALIBRATION_PRIOR_TRIALS)
                 except ValueError as e:
                     log.warning("ignoring the drafter's calibration for %s@%s: %s", self.method, regime, e)
-                    cal = AcceptanceCalibrator()
+                    cal = DepthCalibrator.fresh()
             else:
-                cal = AcceptanceCalibrator()
+                cal = DepthCalibrator.fresh()
             self._calibrators[regime] = cal
         return self._calibrators[regime]
 
@@ -1150,8 +1154,8 @@ class SpeculativeDecoder:
         keep = checked[:, 1:]
         scores, depths, hit = scores[:, 1:][keep].astype(np.float32), depths[:, 1:][keep], hits[:, 1:][keep]
         if self.estimator == "adaptive":
-            self._level.update(self.calibrator.predict_np(scores), depths, hit)
-        self.calibrator.update(scores, hit)
+            self._level.update(self.calibrator.predict_np(scores, depths), depths, hit)
+        self.calibrator.update(scores, hit, depths)
 
     def _new_cache(self):
         from transformers import DynamicCache
