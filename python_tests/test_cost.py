@@ -459,6 +459,36 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
         assert torch.equal(got.trials, w.trials) and torch.equal(got.hits, w.hits)
 
 
+def test_given_calibrator_serves_every_depth_before_and_during_generate(setup):
+    """A plain AcceptanceCalibrator given to the constructor is the calibrator of every depth,
+    from the start (not only once generate runs)."""
+    from dartree_ext.tree import Tree
+    target, drafter, prompts, refs = setup
+    given = AcceptanceCalibrator()
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", calibrator=given, cost_model=TREES_PAY)
+    assert isinstance(dec.calibrator, DepthCalibrator) and dec.calibrator.classes == [given]
+    tree = Tree(tokens=torch.tensor([[5, 6, 7]]), parents=torch.tensor([[-1, 0, 1]], dtype=torch.int32),
+                depths=torch.tensor([[0, 1, 2]], dtype=torch.int32), scores=torch.tensor([[0.0, -0.1, -0.4]]),
+                num_nodes=torch.tensor([3], dtype=torch.int32))
+    assert dec.expected_accepted(tree).shape == (3,)
+    check_greedy(dec, prompts, refs, NEW)
+    assert dec.calibrator.classes == [given] and float(given.trials.sum()) > 0
+
+
+def test_crop_checks_the_cache_layers():
+    """The crop alone (a round that kept its roots in place) still refuses sliding-window layers."""
+    from types import SimpleNamespace
+    from dartree_ext.decoding.cache import crop_cache_
+    layer = SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2), is_sliding=True)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        crop_cache_(SimpleNamespace(layers=[layer]), 3)
+    with pytest.raises(TypeError, match="transformers Cache"):
+        crop_cache_(object(), 3)
+    layer.is_sliding = False
+    cache = SimpleNamespace(layers=[layer])
+    assert crop_cache_(cache, 3) is cache and layer.keys.shape[2] == 3 and layer.values.shape[2] == 3
+
+
 def test_depth_calibrator_classes_and_saved_states():
     """A depth class per depth up to the last, which takes every deeper node; one lookup gives each
     node its class's probability; a state saved without depths starts every class; bad input."""

@@ -237,3 +237,17 @@ def test_lookup_batch_rows_finish_at_different_times(setup):
         ref = ref.tolist()
         end = ref.index(stop) + 1 if stop in ref else 24
         assert out.sequences[b, width:width + end].tolist() == ref[:end]
+
+
+def test_lookup_longer_than_the_learned_depths(setup):
+    """A continuation longer than LookupStats' 16 learned depths (lookup=24): the tokens past them
+    add no expected acceptance, and decoding stays lossless (it raised IndexError before)."""
+    target, drafter, _, _ = setup
+    gen = torch.Generator().manual_seed(3)
+    block = torch.randint(0, 97, (30,), generator=gen)
+    prompts = [torch.cat([block, block, block[:5]])]   # the prompt repeats: 25 tokens to copy
+    refs = [greedy_reference(target, p, 24) for p in prompts]
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, lookup=24,
+                             cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
+    out = check_greedy(dec, prompts, refs, 24)
+    assert out.stats.lookup_rounds > 0

@@ -44,8 +44,9 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
 def crop_cache_(cache, new_length: int | None):
     """Cut a croppable cache (``DynamicCache``; not a ``StaticCache``) to ``new_length`` slots
     (``None``: leave it). Returns ``cache``."""
+    layers = cache_layers(cache)  # (checks them: full-attention layers holding keys and values)
     if new_length is not None and type(cache).__name__ != "StaticCache":
-        for layer in cache.layers:
+        for layer in layers:
             if layer.keys.shape[2] > new_length:
                 layer.keys = layer.keys[:, :, :new_length]
                 layer.values = layer.values[:, :, :new_length]

@@ -276,6 +276,7 @@ class AcceptanceCalibrator:
         p = ((hits + w * self.prior.double().numpy()) / (trials + w)).tolist()
         # non-increasing from the best bin to the worst, each bin weighted by its evidence
         probs = np.asarray(isotonic(p, (trials + w).tolist(), increasing=False), dtype=np.float32)
+        probs.flags.writeable = False  # the cached array itself is returned
         self.__dict__["_probs"] = (self._updates, self.hits, self.trials, probs)
         return probs
 

@@ -527,9 +527,11 @@ class SpeculativeDecoder:
         self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
+        if calibrator is not None and not isinstance(calibrator, DepthCalibrator):
+            calibrator = DepthCalibrator([calibrator])  # one calibrator for every depth
         self._given_calibrator = calibrator
-        self._calibrators: dict[str, AcceptanceCalibrator] = {}
-        self.calibrator = calibrator if calibrator is not None else self._calibrator_for("greedy")
+        self._calibrators: dict[str, DepthCalibrator] = {}
+        self.calibrator = self._calibrator_for("greedy")
         self._skip = self._backoff = 0
         self._level = AcceptanceLevel()  # estimator="adaptive": reset per generate call
         self._overhead_ms = None
@@ -726,8 +728,7 @@ class SpeculativeDecoder:
         calibrator given to the constructor serves every depth (an ``AcceptanceCalibrator``) or
         as it is (a ``DepthCalibrator``)."""
         if self._given_calibrator is not None:
-            given = self._given_calibrator
-            return given if isinstance(given, DepthCalibrator) else DepthCalibrator([given])
+            return self._given_calibrator
         if regime not in self._calibrators:
             saved = (getattr(self.drafter, "calibration", None) or {}).get(f"{self.method}@{regime}")
             if saved is not None:
@@ -969,7 +970,7 @@ class SpeculativeDecoder:
         best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
             for b, c in enumerate(chains):
-                if d <= len(c) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):
+                if d <= len(probs[b]) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):  # (max_depth)
                     expected += probs[b][d - 1]
             width = max(base_width, max(num[b] + (added[b][min(d, len(added[b])) - 1] if added[b] else 0)
                                         for b in range(rows)))
