@@ -222,6 +222,13 @@ def choose_size(expected: Sequence[float], cost: CostModel, method: str = "*", c
     return best_n, best_rate
 
 
+def _on_host(values, dtype) -> np.ndarray:
+    """A tensor (any device) or array-like as a NumPy array of ``dtype``."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=dtype)
+
+
 class AcceptanceCalibrator:
     """P(a draft node is accepted | its tree score), learned online.
 
@@ -263,7 +270,7 @@ class AcceptanceCalibrator:
 
     def bin_of(self, scores: torch.Tensor) -> torch.Tensor:
         """Bin index of each score (0 = the best bin)."""
-        return torch.from_numpy(self.bins_np(scores.detach().float().cpu().numpy()))
+        return torch.from_numpy(self.bins_np(_on_host(scores, np.float32)))
 
     def probabilities_np(self) -> np.ndarray:
         """P(accepted) per bin (best bin first), as a float32 NumPy array, kept until the counts
@@ -290,19 +297,15 @@ class AcceptanceCalibrator:
 
     def predict(self, scores: torch.Tensor) -> torch.Tensor:
         """P(accepted) for each score (same shape, float32, CPU)."""
-        return torch.from_numpy(self.predict_np(scores.detach().float().cpu().numpy()))
+        return torch.from_numpy(self.predict_np(_on_host(scores, np.float32)))
 
     def update(self, scores: torch.Tensor | np.ndarray, accepted: torch.Tensor | np.ndarray) -> None:
         """``scores`` of the verified draft nodes and whether each was on the accepted path
         (torch tensors or NumPy arrays)."""
-        if isinstance(scores, torch.Tensor):
-            scores = scores.detach().float().cpu().numpy()
-        if isinstance(accepted, torch.Tensor):
-            accepted = accepted.detach().cpu().double().numpy()
-        idx = self.bins_np(scores).reshape(-1)
+        idx = self.bins_np(_on_host(scores, np.float32)).reshape(-1)
         n = len(self.trials)
         self.trials.numpy()[:] += np.bincount(idx, minlength=n)
-        self.hits.numpy()[:] += np.bincount(idx, weights=np.asarray(accepted, dtype=np.float64).reshape(-1), minlength=n)
+        self.hits.numpy()[:] += np.bincount(idx, weights=_on_host(accepted, np.float64).reshape(-1), minlength=n)
         self._updates += 1
 
     def state_dict(self) -> dict:
@@ -420,19 +423,18 @@ class AcceptanceLevel:
     def update(self, probs: torch.Tensor, depths: torch.Tensor, hits: torch.Tensor) -> None:
         """One round's evidence: the calibrated probabilities of the nodes it checked, their depths
         (>= 1) and whether each was accepted."""
-        depths, probs, hits = (t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-                               for t in (depths, probs, hits))
-        depths = depths.reshape(-1).astype(np.int64)
+        depths, probs, hits = _on_host(depths, np.int64), _on_host(probs, np.float64), _on_host(hits, np.float64)
+        depths = depths.reshape(-1)
         if depths.size == 0:
             return
         if int(depths.min()) < 1:
             raise ValueError("node depths must be >= 1 (the root is not a draft)")
-        per_depth = np.bincount(depths, weights=probs.reshape(-1).astype(np.float64)).tolist()
+        per_depth = np.bincount(depths, weights=probs.reshape(-1)).tolist()
         keep = self.decay
         self.expected = [keep * v for v in self.expected] + [0.0] * max(0, len(per_depth) - len(self.expected))
         for d, v in enumerate(per_depth):
             self.expected[d] += v
-        self.hits = keep * self.hits + float(hits.reshape(-1).astype(np.float64).sum())
+        self.hits = keep * self.hits + float(hits.sum())
         self.factor = self._solve()
 
     def _solve(self) -> float:

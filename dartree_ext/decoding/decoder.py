@@ -945,16 +945,16 @@ class SpeculativeDecoder:
             chains.append(chain)
             ngrams.append(n)
         graft = ChainGraft(tree, chains)
+        new = [_new_nodes(a) for a in graft.added]
         steps = None
         if self.auto and any(chains):
-            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len)
+            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len, new)
             chains = [c[:steps] for c in chains]
-        state.chains, state.ngrams, state.drafted = chains, ngrams, tree.num_nodes.tolist()
-        state.chain_new = [_new_nodes(a) for a in graft.added]
+        state.chains, state.ngrams, state.drafted, state.chain_new = chains, ngrams, tree.num_nodes.tolist(), new
         return graft.tree(steps)
 
     def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
-                      chosen: int | None, context: int) -> int:
+                      chosen: int | None, context: int, new: list[list[bool]] | None = None) -> int:
         """How many continuation tokens to graft (0..longest chain): the step maximising
         ``(rows + E[accepted]) / round ms``, where a grafted token adds its path's acceptance
         probability (:class:`LookupStats`) unless the drafter's tree already had it, and the
@@ -964,13 +964,13 @@ class SpeculativeDecoder:
         base_width = tree.tokens.shape[1]
         fixed = (drafted_ms if chosen else 0.0) + overhead
         num = tree.num_nodes.tolist()
-        probs = [self.lookup_stats.path_probs(n, len(c), _new_nodes(a)) if c else []
-                 for c, n, a in zip(chains, ngrams, added)]
+        new = [_new_nodes(a) for a in added] if new is None else new  # (_new_nodes of each row's added)
+        probs = [self.lookup_stats.path_probs(n, len(c), fresh) if c else [] for c, n, fresh in zip(chains, ngrams, new)]
         expected = rows + self._chosen_expected
         best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
             for b, c in enumerate(chains):
-                if d <= len(probs[b]) and added[b][d - 1] > (added[b][d - 2] if d > 1 else 0):  # (max_depth)
+                if d <= len(probs[b]) and new[b][d - 1]:  # a new node (within the learned depths)
                     expected += probs[b][d - 1]
             width = max(base_width, max(num[b] + (added[b][min(d, len(added[b])) - 1] if added[b] else 0)
                                         for b in range(rows)))
