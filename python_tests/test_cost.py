@@ -489,6 +489,30 @@ def test_crop_checks_the_cache_layers():
     assert crop_cache_(cache, 3) is cache and layer.keys.shape[2] == 3 and layer.values.shape[2] == 3
 
 
+def test_calibrator_list_paths_match_numpy_paths():
+    """The decoder's per-round plain-Python paths (bins, probabilities, updates) give what the
+    NumPy paths give: random scores with the bin edges themselves, -inf, NaN and depths past the
+    last class; counts after the same updates equal."""
+    gen = np.random.default_rng(0)
+    edges = np.asarray(AcceptanceCalibrator.DEFAULT_BINS, dtype=np.float32)
+    by_list, by_np = DepthCalibrator.fresh(3), DepthCalibrator.fresh(3)
+    for _ in range(20):
+        n = int(gen.integers(0, 40))
+        scores = np.concatenate([-gen.exponential(1.5, n), gen.choice(edges, 5), [-np.inf, np.nan, 0.0]])
+        scores = scores.astype(np.float32)
+        depths = gen.integers(1, 7, scores.size)
+        hits = gen.random(scores.size) < 0.4
+        want = by_np.predict_np(scores, depths)
+        got = by_list.predict_list(scores.tolist(), depths.tolist())
+        assert np.array_equal(np.asarray(got, dtype=np.float32), want)
+        assert by_list.classes[0].bin_list(scores.tolist()) == by_np.classes[0].bins_np(scores).tolist()
+        by_np.update(scores, hits, depths)
+        by_list.update_list(scores.tolist(), hits.tolist(), depths.tolist())
+        assert torch.equal(by_list.trials, by_np.trials) and torch.equal(by_list.hits, by_np.hits)
+        for a, b in zip(by_list.classes, by_np.classes):
+            assert a.probabilities_list() == b.probabilities_np().tolist()
+
+
 def test_depth_calibrator_classes_and_saved_states():
     """A depth class per depth up to the last, which takes every deeper node; one lookup gives each
     node its class's probability; a state saved without depths starts every class; bad input."""

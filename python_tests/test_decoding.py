@@ -373,6 +373,42 @@ def test_score_estimator_expected_accepted_by_hand(setup, estimator):
     assert torch.allclose(dec.expected_accepted(tree), torch.tensor(want), atol=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["score", "adaptive"])
+def test_score_estimator_expected_accepted_random_trees(setup, estimator):
+    """E[n] from calibrated scores (plain Python per round) against the same sums in NumPy on
+    random batches: padding past each row's nodes, grafted nodes without a score (-inf), tied
+    scores, a calibration with counts, and the adaptive level's factor."""
+    from dartree_ext.decoding.cost import AcceptanceLevel, CostModel, DepthCalibrator
+    from dartree_ext.tree import Tree
+    target, drafter, _, _ = setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,
+                             cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
+    gen = np.random.default_rng(1)
+    dec.calibrator, dec._level = DepthCalibrator.fresh(3), AcceptanceLevel()
+    dec.calibrator.update(-gen.exponential(1.0, 300).astype(np.float32), gen.random(300) < 0.5,
+                          gen.integers(1, 5, 300))
+    dec._level.factor = 0.7
+    for _ in range(10):
+        rows, width = int(gen.integers(1, 4)), int(gen.integers(2, 12))
+        scores = np.round(-gen.exponential(1.0, (rows, width)), 1).astype(np.float32)   # (ties)
+        scores[:, 0] = 0.0
+        scores[gen.random((rows, width)) < 0.15] = -np.inf
+        depths = gen.integers(1, 6, (rows, width)).astype(np.int32)
+        depths[:, 0] = 0
+        num = gen.integers(1, width + 1, rows).astype(np.int32)
+        tree = Tree(tokens=torch.zeros(rows, width, dtype=torch.int64), parents=torch.zeros(rows, width, dtype=torch.int32),
+                    depths=torch.from_numpy(depths), scores=torch.from_numpy(scores), num_nodes=torch.from_numpy(num))
+        s, d = scores[:, 1:], depths[:, 1:]
+        valid = np.arange(1, width)[None] < num[:, None]
+        s = np.where(valid, s, -np.inf).astype(np.float32)
+        p = np.where(s > -np.inf, dec.calibrator.predict_np(s, d), 0.0)
+        if estimator == "adaptive":
+            p = np.minimum(p * 0.7 ** np.maximum(d, 0), dec._level.p_max)
+        order = np.argsort(-s, axis=1, kind="stable")
+        want = np.concatenate([[0.0], np.take_along_axis(p, order, 1).cumsum(1).sum(0)])
+        np.testing.assert_allclose(dec.expected_accepted(tree).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("estimator", ["vh", "adaptive"])
 @pytest.mark.parametrize("method", ["chain", "dartree"])
 def test_estimators_lossless(setup, method, estimator):

@@ -1,12 +1,17 @@
 // CPU kernels for DARTree's depth-wise expansion with a GRU correction head: expand_depth (one
 // depth) and build_supertree (all depths in one call). Same math, order and padding as
 // csrc/kernels/expand.cuh; accumulation in float32 whatever the weights' dtype. Unlike the GPU,
-// where one block per parent / child does everything, the CPU batches the dense algebra of a
-// depth into three matmuls (BLAS) and fuses the rest into one pass per request.
+// where one block per parent / child does everything, the CPU runs one request at a time through
+// plain loops the compiler vectorizes (no ATen or BLAS call inside: build_supertree runs right
+// after the target's forward, when a library's code paths are cold and each call costs 10-100x
+// its warm time on a small VM).
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -40,23 +45,122 @@ struct Scored {
   bool operator<(const Scored& o) const { return score_order::before(score, index, o.score, o.index); }
 };
 
-// HeadWeights prepared for the CPU: the head's small matrices as float32 (no copy when they already
-// are), transposed as views: BLAS takes the transposed operand as is. fc2 and gru_table stay as
-// they are: only the K candidate rows (and the chosen tokens' rows) are ever read.
-struct CpuHeadWeights {
-  at::Tensor w_s_t;   // [G, E]
-  at::Tensor w_hh_t;  // [G, 3G]
-  at::Tensor b_hh;    // [3G] or undefined
-  const HeadWeights& weights;
+// out[i * out_stride + j] = bias[j] (0 without) + dot(x[i * x_stride : + n], w[j * n : + n]) for
+// i < rows_x, j < rows_w: four rows of x at a time against each row of w (four independent sums,
+// so the vector FMAs do not wait on one another), float32 throughout.
+DARTREE_VEC_INLINE void rows_dot_impl(const float* x, int64_t rows_x, int64_t x_stride, const float* w, int64_t rows_w,
+                                      int64_t n, const float* bias, float* out, int64_t out_stride) {
+  int64_t i = 0;
+  for (; i + 4 <= rows_x; i += 4) {
+    const float* x0 = x + i * x_stride;
+    const float* x1 = x0 + x_stride;
+    const float* x2 = x1 + x_stride;
+    const float* x3 = x2 + x_stride;
+    for (int64_t j = 0; j < rows_w; ++j) {
+      const float* wj = w + j * n;
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t k = 0; k < n; ++k) {
+        s0 += x0[k] * wj[k];
+        s1 += x1[k] * wj[k];
+        s2 += x2[k] * wj[k];
+        s3 += x3[k] * wj[k];
+      }
+      const float b = bias != nullptr ? bias[j] : 0.0f;
+      out[i * out_stride + j] = b + s0;
+      out[(i + 1) * out_stride + j] = b + s1;
+      out[(i + 2) * out_stride + j] = b + s2;
+      out[(i + 3) * out_stride + j] = b + s3;
+    }
+  }
+  for (; i < rows_x; ++i) {
+    const float* xi = x + i * x_stride;
+    for (int64_t j = 0; j < rows_w; ++j) {
+      const float* wj = w + j * n;
+      float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+      for (int64_t k = 0; k < n; ++k) s0 += xi[k] * wj[k];
+      out[i * out_stride + j] = (bias != nullptr ? bias[j] : 0.0f) + s0;
+    }
+  }
+}
+DARTREE_AVX2_DISPATCH(void, rows_dot,
+                      (const float* x, int64_t rows_x, int64_t x_stride, const float* w, int64_t rows_w, int64_t n,
+                       const float* bias, float* out, int64_t out_stride),
+                      (x, rows_x, x_stride, w, rows_w, n, bias, out, out_stride))
 
-  explicit CpuHeadWeights(const HeadWeights& w)
-      : w_s_t(w.w_s.to(at::kFloat).t()),
-        w_hh_t(w.w_hh.to(at::kFloat).t()),
-        b_hh(w.b_hh.has_value() ? w.b_hh->to(at::kFloat) : at::Tensor()),
-        weights(w) {}
+DARTREE_VEC_INLINE void silu_inplace_impl(float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) v[j] = v[j] / (1.0f + vexp(-v[j]));
+}
+DARTREE_AVX2_DISPATCH(void, silu_inplace, (float* v, int64_t n), (v, n))
+
+// n values as float32 into dst (bfloat16 by its bits, so the loop vectorizes).
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
+}
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+// The head as the CPU expansion reads it: its small matrices (w_s, w_hh, b_hh) as float32, once
+// per call, read for every parent; fc2 and gru_table stay as they are (only the K candidate rows
+// and the chosen tokens' rows are ever read). No ATen call: the expansion runs right after the
+// target's forward, when every library code path it would touch is cold.
+template <typename T>
+struct CpuHead {
+  std::vector<float> w_s;   // [E, G]
+  std::vector<float> w_hh;  // [3G, G]
+  std::vector<float> b_hh;  // [3G], or empty
+  const T* fc2;             // [V, E]
+  const T* fc2_bias;        // [V] or null
+  const T* gru_table;       // [V, 3G]
+  int64_t e, g;
+
+  explicit CpuHead(const HeadWeights& w)
+      : w_s(w.w_s.numel()), w_hh(w.w_hh.numel()), fc2(w.fc2_weight.data_ptr<T>()),
+        fc2_bias(w.fc2_bias.has_value() ? w.fc2_bias->data_ptr<T>() : nullptr),
+        gru_table(w.gru_table.data_ptr<T>()), e(w.w_s.size(0)), g(w.w_s.size(1)) {
+    widen(w.w_s.data_ptr<T>(), w_s.data(), w_s.size());
+    widen(w.w_hh.data_ptr<T>(), w_hh.data(), w_hh.size());
+    if (w.b_hh.has_value()) {
+      b_hh.resize(3 * g);
+      widen(w.b_hh->data_ptr<T>(), b_hh.data(), 3 * g);
+    }
+  }
 };
 
-struct DepthOut {  // the depth's W children of request b sit at `stride * b` from each pointer
+// fn(T{}) for the head's weight type T: float, c10::BFloat16 or c10::Half (the checks allow no other).
+template <typename Fn>
+void with_head_type(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, "the correction head's weights must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+// One depth's inputs for request-major rows: z [B, E], cand_ids / cand_base [B, K] (row strides),
+// the parents' float32 states [B, P, G] and scores (row stride), each request's parent count.
+template <typename T>
+struct DepthIn {
+  const T* z;
+  int64_t z_stride;
+  const int64_t* ids;
+  const T* base;
+  int64_t cand_stride, k;
+  const float* states;
+  int64_t p_max;
+  const float* parent_scores;
+  int64_t parent_score_stride;
+  const int32_t* num_parents;
+};
+
+struct DepthOut {
   int32_t* parent_idx;
   int32_t* child_k;  // or null
   float* scores;
@@ -66,44 +170,43 @@ struct DepthOut {  // the depth's W children of request b sit at `stride * b` fr
   int parent_offset, depth_value;
 };
 
-// One depth for the whole batch. The dense algebra (state -> hidden, hidden -> candidate logits,
-// state -> GRU hidden gates, once per parent that got a child) runs as three matmuls; top-W and
-// the gate math run in parallel passes. Returns the children's states [B, W, G] (undefined when
-// `need_states` is false: the last depth's children are never expanded) and writes each request's
-// child count.
-at::Tensor expand_batch(const CpuHeadWeights& head, const at::Tensor& z, const at::Tensor& cand_ids,
-                        const at::Tensor& cand_base, const at::Tensor& states, const float* parent_scores,
-                        int64_t parent_score_stride, const int32_t* num_parents, int64_t width, float depth_bonus,
-                        const DepthOut& out, int32_t* num_children, bool need_states = true) {
-  const int64_t batch = states.size(0), p_max = states.size(1), g = states.size(2), k = cand_ids.size(1);
-  const HeadWeights& w = head.weights;
-  const at::Tensor ids_c = cand_ids.contiguous();
-  at::Tensor hidden = at::matmul(states, head.w_s_t);  // [B, P, E]
-  hidden.add_(z.to(at::kFloat).unsqueeze(1));
-  at::silu_(hidden);
-  const at::Tensor flat_ids = ids_c.view({-1});
-  at::Tensor rows = w.fc2_weight.index_select(0, flat_ids).to(at::kFloat).view({batch, k, -1});  // [B, K, E]
-  at::Tensor base = cand_base.to(at::kFloat);
-  if (w.fc2_bias.has_value()) base = base + w.fc2_bias->index_select(0, flat_ids).to(at::kFloat).view({batch, k});
-  const at::Tensor logits =
-      at::baddbmm(base.unsqueeze(1).expand({batch, p_max, k}), hidden, rows.transpose(1, 2)).contiguous();
-  const float* lg = logits.data_ptr<float>();
-  const float* st = states.data_ptr<float>();
-  const int64_t* ids = ids_c.data_ptr<int64_t>();
-  // selection first, so that the GRU's hidden gates are computed only for parents that got a child
-  std::vector<int32_t> chosen_parent(batch * width, -1);  // flat b * P + p, or -1 for padding
+// One depth for the whole batch, request by request: the parents' head hidden states, the
+// candidates' corrected logits (log-softmax over the K candidates, fused into the selection),
+// top-W of all parents' children, then the kept children's GRU states (only for parents that got
+// a child), written to child_states [B, W, G] when it is non-null (the last depth's children are
+// never expanded). Writes each request's child count.
+template <typename T>
+void expand_batch(const CpuHead<T>& head, const DepthIn<T>& in, int64_t batch, int64_t width, float depth_bonus,
+                  const DepthOut& out, int32_t* num_children, float* child_states) {
+  const int64_t k = in.k, e = head.e, g = head.g, p_max = in.p_max;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> zf(e), hidden(p_max * e), rows(k * e), base(k), logits(p_max * k), gates, table_row(3 * g);
     std::vector<Scored> candidates;
+    std::vector<int32_t> chosen(width), gate_row(width), row_of(p_max);
+    std::vector<int64_t> distinct;
+    std::vector<float> distinct_states;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t parents_here = num_parents[b];
+      const int64_t parents_here = in.num_parents[b];
+      const float* st = in.states + b * p_max * g;
+      const int64_t* ids = in.ids + b * in.cand_stride;
+      widen(in.z + b * in.z_stride, zf.data(), e);
+      rows_dot(st, parents_here, g, head.w_s.data(), e, g, zf.data(), hidden.data(), e);  // z + W_s s
+      silu_inplace(hidden.data(), parents_here * e);
+      widen(in.base + b * in.cand_stride, base.data(), k);
+      for (int64_t c = 0; c < k; ++c) {
+        widen(head.fc2 + ids[c] * e, rows.data() + c * e, e);
+        if (head.fc2_bias != nullptr) base[c] += static_cast<float>(head.fc2_bias[ids[c]]);
+      }
+      rows_dot(hidden.data(), parents_here, e, rows.data(), k, e, base.data(), logits.data(), k);
       candidates.resize(parents_here * k);
       for (int64_t p = 0; p < parents_here; ++p) {
-        const float* row = lg + (b * p_max + p) * k;  // log-softmax over the K candidates, fused here
+        const float* row = logits.data() + p * k;
         float max_logit = kNegInf;
         for (int64_t c = 0; c < k; ++c) max_logit = std::max(max_logit, row[c]);
         float sum = 0.0f;
         for (int64_t c = 0; c < k; ++c) sum += std::exp(row[c] - max_logit);
-        const float offset = parent_scores[b * parent_score_stride + p] + depth_bonus - (max_logit + std::log(sum));
+        const float offset =
+            in.parent_scores[b * in.parent_score_stride + p] + depth_bonus - (max_logit + std::log(sum));
         for (int64_t c = 0; c < k; ++c) {
           const float s = row[c] + offset;
           candidates[p * k + c] = {score_order::sanitize(s), static_cast<int32_t>(p * k + c)};
@@ -123,56 +226,43 @@ at::Tensor expand_batch(const CpuHeadWeights& head, const at::Tensor& z, const a
           continue;
         }
         const int64_t p = candidates[i].index / k, c = candidates[i].index % k;
-        chosen_parent[b * width + i] = static_cast<int32_t>(b * p_max + p);
+        chosen[i] = static_cast<int32_t>(p);
         out.parent_idx[row + i] = static_cast<int32_t>(p + out.parent_offset);
         if (out.child_k) out.child_k[row + i] = static_cast<int32_t>(c);
         out.scores[row + i] = candidates[i].score;
-        out.tokens[row + i] = ids[b * k + c];
+        out.tokens[row + i] = ids[c];
         if (out.depths) out.depths[row + i] = out.depth_value;
       }
-    }
-  });
-  if (!need_states) return at::Tensor();
-  at::Tensor child_states = at::empty({batch, width, g}, states.options());
-  float* cs = child_states.data_ptr<float>();
-  std::vector<int64_t> distinct;  // parents with at least one child, and each child's row among them
-  std::vector<int64_t> gate_row(batch * width, -1);
-  std::vector<int64_t> row_of(batch * p_max, -1);
-  for (int64_t i = 0; i < batch * width; ++i) {
-    const int32_t parent = chosen_parent[i];
-    if (parent < 0) continue;
-    if (row_of[parent] < 0) {
-      row_of[parent] = static_cast<int64_t>(distinct.size());
-      distinct.push_back(parent);
-    }
-    gate_row[i] = row_of[parent];
-  }
-  at::Tensor gh;
-  if (!distinct.empty()) {
-    const at::Tensor rows_idx = at::from_blob(distinct.data(), {static_cast<int64_t>(distinct.size())}, at::kLong);
-    gh = at::matmul(states.view({batch * p_max, g}).index_select(0, rows_idx), head.w_hh_t);  // [n, 3G]
-    if (head.b_hh.defined()) gh += head.b_hh;
-    gh = gh.contiguous();
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.gru_table.scalar_type(), "expand_batch", [&] {
-    const scalar_t* table = w.gru_table.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * width, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(std::is_same_v<scalar_t, float> ? 0 : 3 * g);
-      for (int64_t i = begin; i < end; ++i) {
+      if (child_states == nullptr) continue;
+      // the hidden gates W_hh s + b_hh, once per parent that got a child
+      distinct.clear();
+      std::fill(row_of.begin(), row_of.end(), -1);
+      for (int64_t i = 0; i < take; ++i) {
+        const int32_t p = chosen[i];
+        if (row_of[p] < 0) {
+          row_of[p] = static_cast<int32_t>(distinct.size());
+          distinct.push_back(p);
+        }
+        gate_row[i] = row_of[p];
+      }
+      distinct_states.resize(distinct.size() * g);
+      for (size_t r = 0; r < distinct.size(); ++r)
+        std::memcpy(distinct_states.data() + r * g, st + distinct[r] * g, g * sizeof(float));
+      gates.resize(distinct.size() * 3 * g);
+      rows_dot(distinct_states.data(), static_cast<int64_t>(distinct.size()), g, head.w_hh.data(), 3 * g, g,
+               head.b_hh.empty() ? nullptr : head.b_hh.data(), gates.data(), 3 * g);
+      float* cs = child_states + b * width * g;
+      for (int64_t i = 0; i < width; ++i) {
         float* state_out = cs + i * g;
-        if (gate_row[i] < 0) {
+        if (i >= take) {
           std::fill(state_out, state_out + g, 0.0f);
           continue;
         }
-        const int64_t b = i / width;
-        const float* h = st + chosen_parent[i] * g;
-        const float* gates = gh.data_ptr<float>() + gate_row[i] * 3 * g;
-        const scalar_t* gi = table + out.tokens[b * out.stride + i % width] * 3 * g;
-        gru_cell(as_float(gi, 3 * g, row.data()), gates, h, state_out, g);
+        widen(head.gru_table + out.tokens[row + i] * 3 * g, table_row.data(), 3 * g);
+        gru_cell(table_row.data(), gates.data() + gate_row[i] * 3 * g, st + chosen[i] * g, state_out, g);
       }
-    });
+    }
   });
-  return child_states;
 }
 
 // Candidate ids must be rows of the head (the CUDA kernels instead score an out-of-range id -inf
@@ -192,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
   const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_expand_depth_inputs(weights, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width);
   check_cand_ids_cpu("expand_depth", cand_ids, fc2_weight.size(0));
-  const int64_t batch = z.size(0), p_max = parent_states.size(1);
+  const int64_t batch = z.size(0), p_max = parent_states.size(1), g = w_s.size(1);
   const int32_t* counts = num_parents.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK_VALUE(counts[b] >= 0 && counts[b] <= p_max, "expand_depth: num_parents[", b, "] = ", counts[b],
@@ -201,12 +291,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_de
   at::Tensor child_k = at::empty({batch, width}, num_parents.options());
   at::Tensor scores = at::empty({batch, width}, parent_scores.options());
   at::Tensor tokens = at::empty({batch, width}, cand_ids.options());
+  at::Tensor states = at::empty({batch, width, g}, parent_states.options());
   std::vector<int32_t> num_children(batch);
   const DepthOut out{parent_idx.data_ptr<int32_t>(), child_k.data_ptr<int32_t>(), scores.data_ptr<float>(),
                      tokens.data_ptr<int64_t>(), nullptr, width, 0, 0};
-  at::Tensor states = expand_batch(CpuHeadWeights(weights), z, cand_ids, cand_base, parent_states,
-                                   parent_scores.data_ptr<float>(), p_max, counts, width,
-                                   static_cast<float>(depth_bonus), out, num_children.data());
+  const at::Tensor z_c = z.contiguous(), ids_c = cand_ids.contiguous(), base_c = cand_base.contiguous();
+  const at::Tensor states_c = parent_states.contiguous(), scores_c = parent_scores.contiguous();
+  with_head_type(w_s.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const CpuHead<scalar_t> head(weights);
+    const DepthIn<scalar_t> in{z_c.data_ptr<scalar_t>(), head.e, ids_c.data_ptr<int64_t>(), base_c.data_ptr<scalar_t>(),
+                               ids_c.size(1), ids_c.size(1), states_c.data_ptr<float>(), p_max,
+                               scores_c.data_ptr<float>(), p_max, counts};
+    expand_batch(head, in, batch, width, static_cast<float>(depth_bonus), out, num_children.data(),
+                 states.data_ptr<float>());
+  });
   return {parent_idx, child_k, scores, tokens, states};
 }
 
@@ -218,24 +317,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_supertree_cpu(
   const HeadWeights weights{w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh};
   check_build_supertree_inputs(weights, z, cand_ids, cand_base, root_state, widths);
   check_cand_ids_cpu("build_supertree", cand_ids, fc2_weight.size(0));
-  const int64_t batch = z.size(0), depth = z.size(1);
+  const int64_t batch = z.size(0), depth = z.size(1), k = cand_ids.size(2), g = w_s.size(1);
   auto [tokens, parents, depths, scores, total] = allocate_supertree(cand_ids, widths);
-  const CpuHeadWeights head(weights);
-  at::Tensor states = root_state.to(at::kFloat).unsqueeze(1).contiguous();  // [B, 1, G]
-  const std::vector<float> root_scores(batch, 0.0f);
-  std::vector<int32_t> counts[2] = {std::vector<int32_t>(batch, 1), std::vector<int32_t>(batch)};
-  int64_t offset = 0, parent_offset = -1;
-  for (int64_t d = 0; d < depth; ++d) {
-    const DepthOut out{parents.data_ptr<int32_t>() + offset, nullptr, scores.data_ptr<float>() + offset,
-                       tokens.data_ptr<int64_t>() + offset, depths.data_ptr<int32_t>() + offset, total,
-                       static_cast<int>(parent_offset), static_cast<int>(d + 1)};
-    const float* parent_scores = d == 0 ? root_scores.data() : scores.data_ptr<float>() + parent_offset;
-    states = expand_batch(head, z.select(1, d), cand_ids.select(1, d), cand_base.select(1, d), states, parent_scores,
-                          d == 0 ? 1 : total, counts[d % 2].data(), widths[d], static_cast<float>(depth_bonus), out,
-                          counts[1 - d % 2].data(), d + 1 < depth);
-    parent_offset = offset;
-    offset += widths[d];
-  }
+  const at::Tensor z_c = z.contiguous(), ids_c = cand_ids.contiguous(), base_c = cand_base.contiguous();
+  const at::Tensor root_c = root_state.contiguous();
+  with_head_type(w_s.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const CpuHead<scalar_t> head(weights);
+    // the parents' states of the depth being expanded, [B, P, G] (P = the previous depth's width)
+    std::vector<float> states(batch * g), next;
+    for (int64_t b = 0; b < batch; ++b) widen(root_c.data_ptr<scalar_t>() + b * g, states.data() + b * g, g);
+    const std::vector<float> root_scores(batch, 0.0f);
+    std::vector<int32_t> counts[2] = {std::vector<int32_t>(batch, 1), std::vector<int32_t>(batch)};
+    int64_t offset = 0, parent_offset = -1, p_max = 1;
+    for (int64_t d = 0; d < depth; ++d) {
+      const DepthOut out{parents.data_ptr<int32_t>() + offset, nullptr, scores.data_ptr<float>() + offset,
+                         tokens.data_ptr<int64_t>() + offset, depths.data_ptr<int32_t>() + offset, total,
+                         static_cast<int>(parent_offset), static_cast<int>(d + 1)};
+      const DepthIn<scalar_t> in{z_c.data_ptr<scalar_t>() + d * head.e, depth * head.e,
+                                 ids_c.data_ptr<int64_t>() + d * k, base_c.data_ptr<scalar_t>() + d * k, depth * k, k,
+                                 states.data(), p_max,
+                                 d == 0 ? root_scores.data() : scores.data_ptr<float>() + parent_offset,
+                                 d == 0 ? 1 : total, counts[d % 2].data()};
+      const bool expand_next = d + 1 < depth;
+      if (expand_next) next.assign(batch * widths[d] * g, 0.0f);
+      expand_batch(head, in, batch, widths[d], static_cast<float>(depth_bonus), out, counts[1 - d % 2].data(),
+                   expand_next ? next.data() : nullptr);
+      states.swap(next);
+      p_max = widths[d];
+      parent_offset = offset;
+      offset += widths[d];
+    }
+  });
   return {tokens, parents, depths, scores};
 }
 

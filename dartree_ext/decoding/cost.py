@@ -252,6 +252,7 @@ class AcceptanceCalibrator:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.edges = torch.tensor(edges, dtype=torch.float32)  # descending upper edges
         self._ascending = np.asarray(edges[::-1], dtype=np.float32)
+        self._ascending_list = self._ascending.tolist()  # (float32 values, as bins_np compares)
         upper = torch.cat([torch.zeros(1), self.edges])
         lower = torch.cat([self.edges, self.edges[-1:] - 2.0])
         self.prior = ((upper + lower) / 2).exp().clamp(1e-4, 0.999)  # bin i covers (edges[i], upper[i]]
@@ -273,19 +274,49 @@ class AcceptanceCalibrator:
         return torch.from_numpy(self.bins_np(_on_host(scores, np.float32)))
 
     def probabilities_np(self) -> np.ndarray:
-        """P(accepted) per bin (best bin first), as a float32 NumPy array, kept until the counts
-        change."""
-        cached = self.__dict__.get("_probs")  # (updates, hits, trials, probabilities)
+        """P(accepted) per bin (best bin first), as a read-only float32 NumPy array, kept until
+        the counts change."""
+        self.probabilities_list()
+        return self.__dict__["_probs"][4]
+
+    def probabilities_list(self) -> list[float]:
+        """P(accepted) per bin (best bin first), as a list, kept until the counts change; in
+        plain Python (see :meth:`bin_list`)."""
+        cached = self.__dict__.get("_probs")  # (updates, hits, trials, list, array)
         if cached is not None and cached[0] == self._updates and cached[1] is self.hits and cached[2] is self.trials:
             return cached[3]
         w = self.prior_weight
-        hits, trials = self.hits.numpy(), self.trials.numpy()
-        p = ((hits + w * self.prior.double().numpy()) / (trials + w)).tolist()
+        prior = self.__dict__.get("_prior_list")
+        if prior is None or prior[0] is not self.prior:
+            prior = (self.prior, self.prior.double().tolist())
+            self.__dict__["_prior_list"] = prior
+        hits, trials = self.hits.tolist(), self.trials.tolist()
+        p = [(h + w * q) / (t + w) for h, t, q in zip(hits, trials, prior[1])]
         # non-increasing from the best bin to the worst, each bin weighted by its evidence
-        probs = np.asarray(isotonic(p, (trials + w).tolist(), increasing=False), dtype=np.float32)
+        fitted = isotonic(p, [t + w for t in trials], increasing=False)
+        probs = np.asarray(fitted, dtype=np.float32)
         probs.flags.writeable = False  # the cached array itself is returned
-        self.__dict__["_probs"] = (self._updates, self.hits, self.trials, probs)
-        return probs
+        fitted = probs.tolist()  # (the float32 values, as the array has them)
+        self.__dict__["_probs"] = (self._updates, self.hits, self.trials, fitted, probs)
+        return fitted
+
+    def bin_list(self, scores: Sequence[float]) -> list[int]:
+        """:meth:`bins_np` for a list of Python floats, in plain Python (a round's few dozen
+        scores: the interpreter's own code paths are warm right after the target's forward, where a
+        library's are cold and each call costs tens of microseconds)."""
+        edges, last = self._ascending_list, len(self._ascending)
+        return [last - bisect.bisect_left(edges, s) if s == s else last for s in scores]
+
+    def update_bins(self, bins: Sequence[int], accepted: Sequence[bool]) -> None:
+        """:meth:`update` for nodes given by their bins (:meth:`bin_list`), in plain Python."""
+        if not len(bins):
+            return
+        trials, hits = self.trials.numpy(), self.hits.numpy()
+        for b, a in zip(bins, accepted):
+            trials[b] += 1.0
+            if a:
+                hits[b] += 1.0
+        self._updates += 1
 
     def probabilities(self) -> torch.Tensor:
         """P(accepted) per bin (best bin first)."""
@@ -381,6 +412,25 @@ class DepthCalibrator:
         """P(accepted) for each (score, depth) (float32 NumPy, the shape of ``scores``)."""
         probs = np.stack([c.probabilities_np() for c in self.classes])
         return probs[self._class_of(depths), self.classes[0].bins_np(scores)]
+
+    def predict_list(self, scores: Sequence[float], depths: Sequence[int]) -> list[float]:
+        """:meth:`predict_np` for lists, in plain Python (see :meth:`AcceptanceCalibrator.bin_list`)."""
+        last = len(self.classes) - 1
+        tables = [c.probabilities_list() for c in self.classes]
+        bins = self.classes[0].bin_list(scores)
+        return [tables[min(max(d, 1) - 1, last)][b] for b, d in zip(bins, depths)]
+
+    def update_list(self, scores: Sequence[float], accepted: Sequence[bool], depths: Sequence[int]) -> None:
+        """:meth:`update` for lists, in plain Python."""
+        last = len(self.classes) - 1
+        bins = self.classes[0].bin_list(scores)
+        per_class: dict[int, tuple[list[int], list[bool]]] = {}
+        for b, a, d in zip(bins, accepted, depths):
+            entry = per_class.setdefault(min(max(d, 1) - 1, last), ([], []))
+            entry[0].append(b)
+            entry[1].append(a)
+        for c, (b, a) in per_class.items():
+            self.classes[c].update_bins(b, a)
 
     def update(self, scores: np.ndarray, accepted: np.ndarray, depths: np.ndarray) -> None:
         """Verified nodes' scores, whether each was accepted, and their depths (>= 1)."""

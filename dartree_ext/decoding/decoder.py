@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -615,17 +616,8 @@ class SpeculativeDecoder:
         A node's probability is its calibrated score, or with ``accept_prob [B, D]`` (the
         verification head's) ``accept_prob[depth - 1]`` times its path probability relative to
         the best node of its depth."""
-        if accept_prob is None:  # on the host, in NumPy: a round's few dozen nodes
-            scores, depths, num = self._on_host(tree, tree.scores, tree.depths)
-            scores, depths = scores[:, 1:].astype(np.float32), depths[:, 1:]
-            valid = np.arange(1, scores.shape[1] + 1)[None] < num[:, None]
-            scores = np.where(valid, scores, np.float32(-np.inf))
-            p = np.where(scores > -np.inf, self.calibrator.predict_np(scores, depths), np.float32(0.0))
-            if self.estimator == "adaptive":
-                p = self._level.scale(p, np.maximum(depths, 0))
-            order = np.argsort(-scores, axis=1, kind="stable")  # best first; ties in node order
-            cum = np.take_along_axis(p, order, 1).cumsum(1, dtype=np.float32).sum(0, dtype=np.float32)
-            return torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), cum]))
+        if accept_prob is None:
+            return torch.tensor(self._expected_list(tree), dtype=torch.float32)
         scores = tree.scores[:, 1:].float()
         valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
         scores = torch.where(valid, scores, float("-inf"))
@@ -640,14 +632,39 @@ class SpeculativeDecoder:
         order = scores.argsort(dim=1, descending=True, stable=True)
         return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
 
+    def _expected_list(self, tree: Tree) -> list[float]:
+        """:meth:`expected_accepted` from calibrated scores, as a list, on the host in plain Python
+        (a round's few dozen nodes: right after the target's forward a library's code paths are
+        cold, and each NumPy or torch call costs tens of microseconds)."""
+        scores, depths, num = self._host_lists(tree, tree.scores, tree.depths)
+        width = len(scores[0])
+        total = [0.0] * width
+        factor = self._level.factor if self.estimator == "adaptive" else 1.0
+        for row_scores, row_depths, n in zip(scores, depths, num):
+            s, d = row_scores[1:n], row_depths[1:n]
+            p = self.calibrator.predict_list(s, d)
+            if factor != 1.0:
+                p_max = self._level.p_max
+                p = [min(v * factor ** max(k, 0), p_max) for v, k in zip(p, d)]
+            # best first (ties in node order); nodes without a drafter score (-inf) add nothing
+            order = sorted(range(len(s)), key=s.__getitem__, reverse=True)
+            acc = 0.0
+            for i, j in enumerate(order, start=1):
+                if s[j] > -math.inf:
+                    acc += p[j]
+                total[i] += acc
+            for i in range(len(s) + 1, width):
+                total[i] += acc
+        return total
+
     def choose_tree(self, tree: Tree, context: int, accept_prob: torch.Tensor | None = None) -> tuple[Tree, int]:
         """``budget="auto"``: the tree cut to its best ``n`` nodes (``n`` chosen by the cost
         model; the root alone for ``n = 0``) and ``n``. ``accept_prob``: as in
         :meth:`expected_accepted`."""
-        expected = self.expected_accepted(tree, accept_prob)
+        expected = self._expected_list(tree) if accept_prob is None else self.expected_accepted(tree, accept_prob).tolist()
         batch = tree.tokens.shape[0]
         overhead, scale, drafted = self._running_costs()
-        n, _ = choose_size(expected.tolist(), self.cost_model, self.method, context, batch, overhead, scale, drafted)
+        n, _ = choose_size(expected, self.cost_model, self.method, context, batch, overhead, scale, drafted)
         self._chosen_expected = float(expected[n])
         if n == 0:
             return self.plain_tree(tree.tokens[:, 0]), 0
@@ -1124,39 +1141,56 @@ class SpeculativeDecoder:
     # helpers --------------------------------------------------------------------------------
     def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
         """Feed the verified draft nodes (accepted or not) to the calibrator."""
-        scores, depths, path, num = self._on_host(tree, tree.scores, tree.depths, accept_nodes)
-        # not the grafted lookup nodes: they have no drafter score
-        checked = (np.arange(scores.shape[1])[None] < num[:, None]) & (scores > -np.inf)
-        hits = np.zeros_like(checked)
-        rows, cols = np.nonzero(path >= 0)
-        hits[rows, path[rows, cols].astype(np.int64)] = True
-        self._learn(scores, depths, checked, hits)
+        scores, depths, path, num = self._host_lists(tree, tree.scores, tree.depths, accept_nodes)
+        batch_scores, batch_depths, batch_hits = [], [], []
+        for row_scores, row_depths, row_path, n in zip(scores, depths, path, num):
+            on_path = {int(j) for j in row_path if j >= 0}
+            for j in range(1, n):
+                if row_scores[j] > -math.inf:  # not the grafted lookup nodes: they have no drafter score
+                    batch_scores.append(row_scores[j])
+                    batch_depths.append(row_depths[j])
+                    batch_hits.append(j in on_path)
+        self._learn(batch_scores, batch_depths, batch_hits)
 
     def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
         """A round that verified no draft still tells which depth-1 nodes were right (the
         target's token after the root): feed those, so a pessimistic calibration can recover."""
-        scores, depths, parents, right, num = self._on_host(tree, tree.scores, tree.depths, tree.parents,
-                                                            tree.tokens == target_first[:, None])
-        checked = (parents == 0) & (np.arange(scores.shape[1])[None] < num[:, None])
-        self._learn(scores, depths, checked, checked & (right > 0))
+        scores, depths, parents, tokens, num = self._host_lists(tree, tree.scores, tree.depths, tree.parents,
+                                                                tree.tokens)
+        right = target_first.tolist()
+        batch_scores, batch_depths, batch_hits = [], [], []
+        for b, n in enumerate(num):
+            for j in range(1, n):
+                if parents[b][j] == 0:
+                    batch_scores.append(scores[b][j])
+                    batch_depths.append(depths[b][j])
+                    batch_hits.append(tokens[b][j] == right[b])
+        self._learn(batch_scores, batch_depths, batch_hits)
 
     @staticmethod
-    def _on_host(tree: Tree, *columns: torch.Tensor) -> list[np.ndarray]:
-        """``columns`` (each ``[B, N]``) and ``tree.num_nodes`` as float64 NumPy arrays, in one
-        transfer."""
+    def _host_lists(tree: Tree, *columns: torch.Tensor) -> list:
+        """``columns`` (each ``[B, N]``) as nested Python lists, then ``tree.num_nodes`` as a
+        list; on a GPU in one transfer (float64 holds every int32 / float32 value exactly)."""
+        if tree.tokens.device.type == "cpu":
+            return [c.tolist() for c in columns] + [tree.num_nodes.tolist()]
         n = tree.tokens.shape[1]
-        host = torch.cat([c.double() for c in columns] + [tree.num_nodes[:, None].double()], 1).cpu().numpy()
-        return [host[:, i * n:(i + 1) * n] for i in range(len(columns))] + [host[:, -1]]
+        host = torch.cat([c.double() for c in columns] + [tree.num_nodes[:, None].double()], 1).cpu()
+        out = [host[:, i * n:(i + 1) * n].tolist() for i in range(len(columns))]
+        kinds = [c.dtype.is_floating_point for c in columns]
+        out = [rows if floating else [[int(v) for v in row] for row in rows] for rows, floating in zip(out, kinds)]
+        return out + [[int(v) for v in host[:, -1].tolist()]]
 
-    def _learn(self, scores: np.ndarray, depths: np.ndarray, checked: np.ndarray, hits: np.ndarray) -> None:
-        """The ``checked`` draft nodes (``[B, N]`` host arrays; the root, column 0, never counts)
-        and which of them were accepted (``hits``) to the calibrator (and, ``estimator="adaptive"``,
-        to the call's level, against what the calibration predicted for them before this round)."""
-        keep = checked[:, 1:]
-        scores, depths, hit = scores[:, 1:][keep].astype(np.float32), depths[:, 1:][keep], hits[:, 1:][keep]
+    def _learn(self, scores: list[float], depths: list[int], hits: list[bool]) -> None:
+        """The checked draft nodes' scores, depths (>= 1) and whether each was accepted, to the
+        calibrator (and, ``estimator="adaptive"``, to the call's level, against what the
+        calibration predicted for them before this round)."""
+        if not scores:
+            return
         if self.estimator == "adaptive":
-            self._level.update(self.calibrator.predict_np(scores, depths), depths, hit)
-        self.calibrator.update(scores, hit, depths)
+            predicted = self.calibrator.predict_list(scores, depths)
+            self._level.update(np.asarray(predicted, dtype=np.float64), np.asarray(depths, dtype=np.int64),
+                               np.asarray(hits, dtype=np.float64))
+        self.calibrator.update_list(scores, hits, depths)
 
     def _new_cache(self):
         from transformers import DynamicCache
