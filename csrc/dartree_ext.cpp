@@ -75,6 +75,9 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("few_rows_linear_avx512_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // attention area (CPU only: a verification forward's or a plain step's few query rows)
   m.def("few_rows_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  // drafter area (CPU only: a drafter pass's elementwise steps, one call each)
+  m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_rows(Tensor x, Tensor positions, float theta) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

@@ -53,15 +53,15 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_as(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, fallback=None) -> torch.Tensor:
     """``x @ weight.T + bias`` run the way ``layer`` (an ``nn.Linear``) runs: through
-    ``few_rows_linear`` when ``layer`` is patched and the call qualifies, else ``F.linear``. For a
-    product a model computes outside its ``nn.Linear`` layers (a drafter's head over a draft
-    vocabulary) that should follow the model's linear set-up."""
+    ``few_rows_linear`` when ``layer`` is patched and the call qualifies, else ``F.linear`` (or
+    ``fallback()``, when given). For a product a model computes outside its ``nn.Linear`` layers (a
+    drafter's head over a draft vocabulary) that should follow the model's linear set-up."""
     max_rows = getattr(layer, _FLAG, None)
     if max_rows is not None and _fits(x, weight, bias, max_rows):
         return ops.few_rows_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight, bias) if fallback is None else fallback()
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:

@@ -20,7 +20,8 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "select_top_b", "select_top_w", "tree_ancestor_bits",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows",
+           "select_top_b", "select_top_w", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
 MAX_TREE_NODES = 8192
@@ -145,6 +146,22 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     (``build_info()["few_rows_linear"]`` says which). ``bias`` has the dtype of ``x``. No autograd.
     """
     return _ops.few_rows_linear.default(x, weight, bias)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A drafter's RMSNorm, ``weight * (x / sqrt(mean(x^2) + eps))``, in one call (CPU, float32 or
+    bfloat16 ``x [..., H]``, ``weight [H]`` of its dtype): in float32, the normalized row rounded to
+    the dtype and the product rounded again, as :class:`dartree_ext.models.drafter.RMSNorm` does in
+    eight ATen calls. No autograd."""
+    return _ops.rms_norm_rows.default(x, weight, eps)
+
+
+def rotary_rows(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [B, H, T, Dh]`` (CPU, float32 or bfloat16, unit stride
+    in Dh) at ``positions int64[B or 1, T]`` with base ``theta``, in one call: float32 math, one
+    rounding to the dtype, as the drafter's ``_rope`` does in about 17 ATen calls. Returns a
+    contiguous tensor. No autograd."""
+    return _ops.rotary_rows.default(x, positions, theta)
 
 
 def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
@@ -448,6 +465,18 @@ def _few_rows_attention_fake(query, key, value, mask, scale):
     _check_same_device("few_rows_attention", query=query, key=key, value=value,
                        **({} if mask is None else {"mask": mask}))
     return query.new_empty((*query.shape[:3], value.shape[-1]))
+
+
+@torch.library.register_fake("dartree_ext::rms_norm_rows")
+def _rms_norm_rows_fake(x, weight, eps):
+    _check_same_device("rms_norm_rows", x=x, weight=weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("dartree_ext::rotary_rows")
+def _rotary_rows_fake(x, positions, theta):
+    _check_same_device("rotary_rows", x=x, positions=positions)
+    return x.new_empty(x.shape)
 
 
 # the ops that force one path of few_rows_linear (tests, bench/forward_speed.py): the same shapes

@@ -87,13 +87,14 @@ def prune(tree: Tree, budget: int) -> Tree:
 def build_dartree(head: CorrectionHeadWeights, drafter_hidden: torch.Tensor, base_logits: torch.Tensor,
                   root_tokens: torch.Tensor, root_state: torch.Tensor, k: int = 64,
                   width: int | Sequence[int] = 12, budget: int = 64, depth_bonus: float = -0.2,
-                  fixed: bool = False, vocab: torch.Tensor | None = None) -> Tree:
+                  fixed: bool = False, vocab: torch.Tensor | None = None, z: torch.Tensor | None = None) -> Tree:
     """DARTree for one drafter pass: ``drafter_hidden [B, D, H]``, ``base_logits [B, D, V]``,
     ``root_tokens int64[B]``, ``root_state [B, G]``. Returns at most ``budget + 1`` nodes per
     request (root included). ``width``: W for every depth, or per-depth widths
     (:func:`depth_widths`). ``fixed=True``: ``budget // D`` children per depth, no pruning.
     ``vocab int64[V']``: ``base_logits`` are over a draft vocabulary whose entry ``i`` is target
-    token ``vocab[i]``."""
+    token ``vocab[i]``. ``z``: ``head.project(drafter_hidden)`` when the caller has it (computed
+    its own way, e.g. through the drafter's linear set-up)."""
     depth = drafter_hidden.shape[1]
     if depth < 1:
         raise ValueError("drafter_hidden must have at least one position (dim 1)")
@@ -104,7 +105,8 @@ def build_dartree(head: CorrectionHeadWeights, drafter_hidden: torch.Tensor, bas
     cand_ids, cand_base = candidates(base_logits, k)
     if vocab is not None:
         cand_ids = vocab[cand_ids]
-    z = head.project(drafter_hidden)
+    if z is None:
+        z = head.project(drafter_hidden)
     supertree = ops.build_supertree(head, z.contiguous(), cand_ids.contiguous(),
                                     cand_base.to(head.w_s.dtype).contiguous(),
                                     root_state.to(head.w_s.dtype).contiguous(), widths, depth_bonus)

@@ -267,3 +267,43 @@ def test_drafter_positions_are_the_full_pass_prefix(linear, layers):
                 torch.testing.assert_close(part.base_logits, full.base_logits[:, :p], atol=1e-5, rtol=1e-5)
         with pytest.raises(ValueError, match="positions"):
             drafter(roots, root_pos, ctx, pos, valid, positions=drafter.config.block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_steps_in_one_call_match_their_pytorch_form(dtype):
+    """The drafter's RMSNorm and rotary embedding as one CPU op each (inference) against their
+    PyTorch forms (what training runs): float32 to rounding, bfloat16 within one unit in the last
+    place; heads as a strided view, positions broadcast from one row; bad input raises."""
+    from dartree_ext import ops
+    from dartree_ext.models.drafter import RMSNorm, _rope
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(40, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=gen))
+    x = (torch.randn(3, 7, 40, generator=gen) * 3).to(dtype)
+    want = norm(x.requires_grad_(dtype is torch.float32))  # the PyTorch form (autograd wanted)
+    with torch.no_grad():
+        got = norm(x.detach())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype is torch.float32 else dict(atol=0.0, rtol=2 ** -7)
+    torch.testing.assert_close(got, want.detach(), **tol)
+    assert torch.equal(got, ops.rms_norm_rows(x.detach(), norm.weight.detach(), 1e-5))
+
+    heads = torch.randn(2, 9, 4, 16, generator=gen).to(dtype).transpose(1, 2)  # [B, H, T, Dh], strided
+    for positions in (torch.randint(0, 4000, (2, 9), generator=gen), torch.arange(30, 39)[None]):
+        half = 8
+        inv = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+        ang = positions.float()[:, None, :, None] * inv
+        x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+        want = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1).to(dtype)
+        got = _rope(heads, positions, 10000.0)
+        assert got.shape == want.shape and got.is_contiguous()
+        tol = dict(atol=2e-4, rtol=1e-4) if dtype is torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+        torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(RuntimeError, match="even Dh"):
+        ops.rotary_rows(torch.randn(1, 2, 3, 5), torch.arange(3)[None], 10000.0)
+    with pytest.raises(RuntimeError, match="positions must be"):
+        ops.rotary_rows(torch.randn(1, 2, 3, 4), torch.arange(4)[None], 10000.0)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm_rows(torch.randn(2, 4), torch.randn(5), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm_rows(torch.randn(2, 4).half(), torch.randn(4).half(), 1e-5)

@@ -60,6 +60,10 @@ def _sample_args(name: str, device: str):
     if name == "few_rows_attention":
         mask = torch.where(torch.rand(2, 1, 5, 11) < 0.7, 0.0, torch.finfo(torch.float32).min)
         return (torch.randn(2, 6, 5, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 8), mask, 0.25)
+    if name == "rms_norm_rows":
+        return (torch.randn(2, 5, 24).bfloat16(), torch.randn(24).bfloat16(), 1e-5)
+    if name == "rotary_rows":
+        return (torch.randn(2, 5, 3, 8).transpose(1, 2), torch.arange(5)[None].expand(2, -1), 10000.0)
     logprobs = torch.sort(torch.randn(3, 4, 8, device=device), dim=-1, descending=True).values
     return (logprobs, torch.randint(0, 100, (3, 4, 8), device=device), torch.arange(3, device=device), 20)
 
@@ -69,9 +73,9 @@ def _sample_args(name: str, device: str):
                                   "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
                                   "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
-                                  "few_rows_attention"])
+                                  "few_rows_attention", "rms_norm_rows", "rotary_rows"])
 def test_opcheck(name, device):
-    if name == "few_rows_attention" and device != "cpu":
+    if name in ("few_rows_attention", "rms_norm_rows", "rotary_rows") and device != "cpu":
         pytest.skip("a CPU op")
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

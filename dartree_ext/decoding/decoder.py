@@ -34,6 +34,7 @@ import torch
 
 from .. import ops
 from .._widths import canonical_width, depth_widths
+from ..linear import linear_as
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
 from ..models.eagle3 import Eagle3Drafter
@@ -596,11 +597,22 @@ class SpeculativeDecoder:
         if m in ("dartree", "dartree_fixed"):
             return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=width,
                                  budget=budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
-                                 vocab=vocab)
+                                 vocab=vocab, z=self._project(hidden))
         cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
         cand_ids = ids(cand_ids)
         return seq_heap(head, head.project(hidden), cand_ids, cand_base.to(head.w_s.dtype), root, root_state,
                         self.budget, self.depth_bonus)
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The correction head's ``z = W_z H + b1``, run the way the drafter's own linear layers
+        run (``few_rows_linear`` where the drafter is set up for it: the kernel the drafter's pass
+        has just used, where a library GEMM's code would be cold), else as
+        :meth:`CorrectionHeadWeights.project`."""
+        head = self._head
+        layer = getattr(self.drafter, "context_proj", None)
+        if layer is None:
+            return head.project(hidden)
+        return linear_as(layer, hidden.to(head.w_z.dtype), head.w_z, head.b1, fallback=lambda: head.project(hidden))
 
     def plain_tree(self, root: torch.Tensor) -> Tree:
         """The root alone: a plain decoding step."""

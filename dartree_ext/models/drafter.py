@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..attention import gqa_attention
 from ..head import CorrectionHeadWeights
 from ..linear import linear_as
@@ -123,14 +124,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _one_call(x, self.weight):
+            return ops.rms_norm_rows(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+def _one_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether a drafter step runs as one CPU op (:func:`dartree_ext.ops.rms_norm_rows`,
+    :func:`dartree_ext.ops.rotary_rows`): float32 / bfloat16 on the CPU, ``others`` of its dtype,
+    and no autograd graph wanted (training keeps the PyTorch form)."""
+    dtype = x.dtype
+    return (x.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32)
+            and all(t.dtype == dtype for t in others)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others))))
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half rotary embedding: ``x [B, H, T, Dh]``, ``positions int64[B, T]``."""
+    if _one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64:
+        return ops.rotary_rows(x, positions, theta)
     half = x.shape[-1] // 2
     inv = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
     ang = positions.float()[:, None, :, None] * inv
