@@ -78,6 +78,8 @@ TORCH_LIBRARY(dartree_ext, m) {
   // drafter area (CPU only: a drafter pass's elementwise steps, one call each)
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_rows(Tensor x, Tensor positions, float theta) -> Tensor");
+  // sampling area (CPU only: the target's token at each verified node)
+  m.def("tokens_from_logits(Tensor logits, Tensor? uniforms, float temperature) -> Tensor");
 }
 
 #ifdef DARTREE_PYTHON_MODULE

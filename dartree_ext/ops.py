@@ -21,7 +21,7 @@ from ._widths import depth_widths
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
            "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows",
-           "select_top_b", "select_top_w", "tree_ancestor_bits",
+           "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
 MAX_TREE_NODES = 8192
@@ -162,6 +162,17 @@ def rotary_rows(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch
     rounding to the dtype, as the drafter's ``_rope`` does in about 17 ATen calls. Returns a
     contiguous tensor. No autograd."""
     return _ops.rotary_rows.default(x, positions, theta)
+
+
+def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """The target's token at each node from ``logits [..., V]`` (CPU, float32 or bfloat16), in one
+    call: ``temperature == 0`` the first maximum (ties to the lowest id; a NaN wins, as
+    ``torch.argmax``); ``temperature > 0`` a sample of ``softmax(logits / temperature)`` by the
+    inverse CDF at ``uniforms`` (float32 in [0, 1), one per row): the first token whose cumulative
+    probability exceeds ``u``, never one of zero probability. Returns ``int64[...]``.
+    :func:`dartree_ext.sampling.target_tokens_from_logits` uses it where it applies (no top-k /
+    top-p)."""
+    return _ops.tokens_from_logits.default(logits, uniforms, temperature)
 
 
 def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
@@ -477,6 +488,12 @@ def _rms_norm_rows_fake(x, weight, eps):
 def _rotary_rows_fake(x, positions, theta):
     _check_same_device("rotary_rows", x=x, positions=positions)
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("dartree_ext::tokens_from_logits")
+def _tokens_from_logits_fake(logits, uniforms, temperature):
+    _check_same_device("tokens_from_logits", logits=logits, **({} if uniforms is None else {"uniforms": uniforms}))
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
 # the ops that force one path of few_rows_linear (tests, bench/forward_speed.py): the same shapes

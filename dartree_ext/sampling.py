@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
+
 
 def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     k = min(top_k, logits.shape[-1])
@@ -57,7 +59,10 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    one_call = logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[-1] > 0
     if temperature == 0:
+        if one_call:  # one pass over the logits, no float32 copy (ops.tokens_from_logits)
+            return ops.tokens_from_logits(logits, None, 0.0)
         if logits.device.type != "cpu":
             return logits.argmax(-1)
         if logits.dtype in (torch.bfloat16, torch.float16):
@@ -65,6 +70,10 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
             # reductions are not vectorised on a CPU
             logits = logits.float()
         return _first_argmax(logits)
+    if one_call and top_k is None and (top_p is None or top_p >= 1.0):
+        # the same uniforms as below, one call for the rest (ops.tokens_from_logits)
+        u = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device)
+        return ops.tokens_from_logits(logits, u, temperature)
     # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
     scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if temperature != 1.0:

@@ -62,6 +62,8 @@ def _sample_args(name: str, device: str):
         return (torch.randn(2, 6, 5, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 8), mask, 0.25)
     if name == "rms_norm_rows":
         return (torch.randn(2, 5, 24).bfloat16(), torch.randn(24).bfloat16(), 1e-5)
+    if name == "tokens_from_logits":
+        return (torch.randn(2, 3, 130).bfloat16(), torch.rand(2, 3, 1), 0.8)
     if name == "rotary_rows":
         return (torch.randn(2, 5, 3, 8).transpose(1, 2), torch.arange(5)[None].expand(2, -1), 10000.0)
     logprobs = torch.sort(torch.randn(3, 4, 8, device=device), dim=-1, descending=True).values
@@ -73,9 +75,9 @@ def _sample_args(name: str, device: str):
                                   "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
                                   "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
-                                  "few_rows_attention", "rms_norm_rows", "rotary_rows"])
+                                  "few_rows_attention", "rms_norm_rows", "rotary_rows", "tokens_from_logits"])
 def test_opcheck(name, device):
-    if name in ("few_rows_attention", "rms_norm_rows", "rotary_rows") and device != "cpu":
+    if name in ("few_rows_attention", "rms_norm_rows", "rotary_rows", "tokens_from_logits") and device != "cpu":
         pytest.skip("a CPU op")
     op = getattr(torch.ops.dartree_ext, name).default
     torch.library.opcheck(op, _sample_args(name, device))

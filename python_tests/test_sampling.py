@@ -123,3 +123,56 @@ def test_sampling_leaves_the_logits_untouched(temperature):
     row = torch.randn(1, 1, 97)
     tokens = target_tokens_from_logits(row.expand(2, 4, 97), temperature, generator=torch.Generator().manual_seed(0))
     assert tokens.shape == (2, 4) and torch.equal(row, row.clone())
+
+
+# tokens_from_logits: the one-call CPU path target_tokens_from_logits takes ----------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_greedy_is_the_first_maximum(dtype):
+    """Greedy tokens from the one-call op equal torch.argmax: random rows over 49152 and odd
+    sizes, ties to the lowest id (also across its 64-wide blocks), a NaN winning as in argmax."""
+    from dartree_ext import ops
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((7, 49152), (3, 4, 130), (1, 1)):
+        logits = torch.randn(shape, generator=gen).to(dtype)
+        assert torch.equal(ops.tokens_from_logits(logits, None, 0.0), logits.float().argmax(-1))
+    ties = torch.zeros(2, 300, dtype=dtype)
+    ties[0, [5, 70, 299]] = 3.0
+    ties[1, [299]] = 1.0
+    assert ops.tokens_from_logits(ties, None, 0.0).tolist() == [5, 299]
+    nan = torch.randn(2, 200).to(dtype)
+    nan[0, 150] = float("nan")
+    nan[1, 3] = float("nan")
+    assert ops.tokens_from_logits(nan, None, 0.0).tolist() == [150, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_one_call_sampling_matches_softmax(dtype, temperature):
+    """Sampled tokens from the one-call op follow softmax(logits / T) over a vocabulary that
+    spans several 64-token blocks, with tokens of zero probability (-inf) never drawn; a uniform
+    next to 1 lands on the last token of positive probability."""
+    from dartree_ext import ops
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(1, 200, generator=gen) * 2).to(dtype)
+    logits[0, torch.arange(0, 200, 7)] = float("-inf")
+    n = DRAWS
+    u = torch.rand(n, 1, generator=gen)
+    tokens = ops.tokens_from_logits(logits.expand(n, -1), u, temperature)
+    freq = torch.bincount(tokens, minlength=200).double() / n
+    probs = (logits.float() / temperature).softmax(-1)[0].double()
+    assert freq[probs == 0].sum() == 0
+    _assert_close_in_distribution(freq, probs)
+    last = int(torch.nonzero(probs > 0).max())
+    assert ops.tokens_from_logits(logits, torch.tensor([[1.0 - 2 ** -24]]), temperature).item() == last
+    assert ops.tokens_from_logits(logits, torch.tensor([[0.0]]), temperature).item() == int(torch.nonzero(probs > 0).min())
+
+
+def test_one_call_bad_input():
+    from dartree_ext import ops
+    with pytest.raises(RuntimeError, match="needs uniforms"):
+        ops.tokens_from_logits(torch.randn(2, 5), None, 1.0)
+    with pytest.raises(RuntimeError, match="one value per row"):
+        ops.tokens_from_logits(torch.randn(2, 5), torch.rand(3), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.tokens_from_logits(torch.randn(2, 5).half(), None, 0.0)

@@ -1,19 +1,27 @@
-// CPU kernels for a drafter pass's small elementwise steps, one call each instead of the 8-17
-// ATen calls their PyTorch forms make: rms_norm_rows (a drafter's RMSNorm) and rotary_rows (its
-// rotate-half rotary embedding). A drafter pass runs right after the target's forward, when every
-// library code path it touches is cold and each small ATen call costs tens of microseconds on a
-// small VM; these loops are a few kilobytes of code. The math and rounding follow the PyTorch
+// CPU kernels for a decoding round's small per-row steps, one call each instead of the 5-17 ATen
+// calls their PyTorch forms make: rms_norm_rows (a drafter's RMSNorm), rotary_rows (its rotate-half
+// rotary embedding) and tokens_from_logits (the target's token at each verified node, greedy or
+// sampled). They run right after the target's forward, when every library code path is cold and
+// each small ATen call costs tens of microseconds on a small VM; these loops are a few kilobytes
+// of code. The math and rounding follow the PyTorch
 // forms (dartree_ext.models.drafter.RMSNorm and _rope): float32 throughout, one rounding to the
 // input's dtype where those round.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "../checks/common.h"
+#include "vec_math.h"
 
 namespace dartree {
 namespace {
@@ -125,11 +133,138 @@ at::Tensor rotary_rows_cpu(const at::Tensor& x, const at::Tensor& positions, dou
   return y;
 }
 
+// The target's token at each verified node, from its logits [R, V]: the first maximum (ties to
+// the lowest id; a NaN wins, at its first place, as torch.argmax has it), or a sample of
+// softmax(logits / temperature) by the inverse CDF at uniforms[r] (float32 in [0, 1)): the first
+// token whose cumulative exp(x - max) exceeds u times the row's total, never a token of zero
+// probability. The sums run over blocks of 64 (block totals, then the prefix within the block),
+// so the vocabulary is read about twice; exp is float32 math (vexp: relative error about 1e-7,
+// 0 below e^-87 of the maximum). One call for every row, in place of the 5-8 ATen calls (and a
+// float32 copy of the logits) of the PyTorch form.
+constexpr int64_t kSampleBlock = 64;
+
+template <typename T>
+DARTREE_VEC_INLINE float max_of_impl(const T* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, static_cast<float>(x[j]));
+  return m;
+}
+DARTREE_VEC_INLINE float max_f32_impl(const float* x, int64_t n) { return max_of_impl(x, n); }
+DARTREE_AVX2_DISPATCH(float, max_f32, (const float* x, int64_t n), (x, n))
+
+// out[j] = exp(scale * (x[j] - top)) (0 where that is below e^-87), returns their sum
+DARTREE_VEC_INLINE float exp_block_impl(const float* x, int64_t n, float top, float inv_t, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = (x[j] - top) * inv_t;
+    const float e = a < -87.0f ? 0.0f : vexp(a);
+    out[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+DARTREE_AVX2_DISPATCH(float, exp_block, (const float* x, int64_t n, float top, float inv_t, float* out),
+                      (x, n, top, inv_t, out))
+
+template <typename T>
+void widen_row(const T* x, float* out, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, x, n * sizeof(float));
+  } else {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
+  }
+}
+
+template <typename T>
+void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int64_t rows, int64_t v,
+                      float temperature) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(v), exps(v), block_sum((v + kSampleBlock - 1) / kSampleBlock);
+    for (int64_t r = begin; r < end; ++r) {
+      widen_row(logits + r * v, row.data(), v);
+      const float top = max_f32(row.data(), v);
+      int64_t first_nan = -1, best = -1;
+      for (int64_t j = 0; j < v && first_nan < 0; ++j) {
+        if (std::isnan(row[j])) first_nan = j;
+        else if (best < 0 && row[j] == top) best = j;
+      }
+      if (first_nan >= 0 || temperature <= 0.0f) {  // the first maximum (a NaN wins)
+        out[r] = first_nan >= 0 ? first_nan : std::max<int64_t>(best, 0);
+        continue;
+      }
+      // x / T - max / T: the max of x / T is max / T (division by T > 0 is monotone)
+      const float inv_t = 1.0f / temperature;
+      float total = 0.0f;
+      const int64_t blocks = static_cast<int64_t>(block_sum.size());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t lo = b * kSampleBlock, n = std::min(kSampleBlock, v - lo);
+        block_sum[b] = exp_block(row.data() + lo, n, top, inv_t, exps.data() + lo);
+        total += block_sum[b];
+      }
+      const float threshold = uniforms[r] * total;
+      int64_t pick = -1;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < blocks && pick < 0; ++b) {
+        if (acc + block_sum[b] <= threshold) {
+          acc += block_sum[b];
+          continue;
+        }
+        const int64_t lo = b * kSampleBlock, n = std::min(kSampleBlock, v - lo);
+        for (int64_t j = 0; j < n; ++j) {
+          acc += exps[lo + j];
+          if (acc > threshold && exps[lo + j] > 0.0f) {
+            pick = lo + j;
+            break;
+          }
+        }
+      }
+      if (pick < 0)  // u * total rounded up to the total: the last token of positive probability
+        for (int64_t j = v - 1; j >= 0 && pick < 0; --j)
+          if (exps[j] > 0.0f) pick = j;
+      out[r] = pick < 0 ? 0 : pick;
+    }
+  });
+}
+
+at::Tensor tokens_from_logits_cpu(const at::Tensor& logits, const std::optional<at::Tensor>& uniforms,
+                                  double temperature) {
+  const char* op = "tokens_from_logits";
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16, op,
+              ": logits must be float32 or bfloat16, got ", logits.scalar_type());
+  TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, op, ": logits must be [..., V] with V >= 1, got ",
+              logits.sizes());
+  TORCH_CHECK_VALUE(temperature >= 0, op, ": temperature must be >= 0, got ", temperature);
+  const at::Tensor lc = logits.contiguous();
+  const int64_t v = lc.size(-1), rows = lc.numel() / v;
+  std::vector<int64_t> out_shape(lc.sizes().begin(), lc.sizes().end() - 1);
+  at::Tensor out = at::empty(out_shape, lc.options().dtype(at::kLong));
+  at::Tensor uc;
+  if (temperature > 0) {
+    TORCH_CHECK(uniforms.has_value(), op, ": sampling (temperature > 0) needs uniforms");
+    uc = uniforms->contiguous();
+    check_tensor(op, "uniforms", uc, at::kFloat, uc.dim());
+    TORCH_CHECK(uc.numel() == rows, op, ": uniforms must hold one value per row (", rows, "), got ", uc.sizes());
+    check_same_device(op, "uniforms", uc, lc, "logits");
+  }
+  const float* u = temperature > 0 ? uc.data_ptr<float>() : nullptr;
+  if (lc.scalar_type() == at::kFloat)
+    tokens_from_rows(lc.data_ptr<float>(), u, out.data_ptr<int64_t>(), rows, v, static_cast<float>(temperature));
+  else
+    tokens_from_rows(lc.data_ptr<c10::BFloat16>(), u, out.data_ptr<int64_t>(), rows, v,
+                     static_cast<float>(temperature));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("rms_norm_rows", &rms_norm_rows_cpu);
   m.impl("rotary_rows", &rotary_rows_cpu);
+  m.impl("tokens_from_logits", &tokens_from_logits_cpu);
 }
 
 }  // namespace dartree

@@ -34,17 +34,20 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
     """Move, in every layer, request ``b``'s entries at ``src_positions[b, :lengths[b]]``
     (int64, increasing, ``>= dst_start[b]``) to ``dst_start[b] + i``; then crop a croppable
     cache to ``new_length`` slots (``None``: leave its length). Returns ``cache``."""
-    tensors = [t for layer in cache_layers(cache) for t in (layer.keys, layer.values)]
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("cache keys/values must be contiguous for in-place compaction")
-    ops.compact_kv_layers_(tensors, src_positions, dst_start, lengths)
-    return crop_cache_(cache, new_length)
+    layers = cache_layers(cache)
+    # (the op checks that every tensor is contiguous: compaction moves entries in place)
+    ops.compact_kv_layers_([t for layer in layers for t in (layer.keys, layer.values)], src_positions, dst_start,
+                           lengths)
+    return _crop_layers(cache, layers, new_length)
 
 
 def crop_cache_(cache, new_length: int | None):
     """Cut a croppable cache (``DynamicCache``; not a ``StaticCache``) to ``new_length`` slots
     (``None``: leave it). Returns ``cache``."""
-    layers = cache_layers(cache)  # (checks them: full-attention layers holding keys and values)
+    return _crop_layers(cache, cache_layers(cache), new_length)  # (cache_layers checks the layers)
+
+
+def _crop_layers(cache, layers: list, new_length: int | None):
     if new_length is not None and type(cache).__name__ != "StaticCache":
         for layer in layers:
             if layer.keys.shape[2] > new_length:
