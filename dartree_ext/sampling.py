@@ -73,7 +73,7 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
     if one_call and top_k is None and (top_p is None or top_p >= 1.0):
         # the same uniforms as below, one call for the rest (ops.tokens_from_logits)
         u = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device)
-        return ops.tokens_from_logits(logits, u, temperature)
+        return ops.tokens_from_logits(logits, u.float(), temperature)  # (the default dtype may differ)
     # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
     scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if temperature != 1.0:

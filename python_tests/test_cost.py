@@ -510,7 +510,7 @@ def test_calibrator_list_paths_match_numpy_paths():
         by_list.update_list(scores.tolist(), hits.tolist(), depths.tolist())
         assert torch.equal(by_list.trials, by_np.trials) and torch.equal(by_list.hits, by_np.hits)
         for a, b in zip(by_list.classes, by_np.classes):
-            assert a.probabilities_list() == b.probabilities_np().tolist()
+            assert list(a.probabilities_list()) == b.probabilities_np().tolist()
 
 
 def test_depth_calibrator_classes_and_saved_states():

@@ -398,9 +398,11 @@ def test_score_estimator_expected_accepted_random_trees(setup, estimator):
         num = gen.integers(1, width + 1, rows).astype(np.int32)
         tree = Tree(tokens=torch.zeros(rows, width, dtype=torch.int64), parents=torch.zeros(rows, width, dtype=torch.int32),
                     depths=torch.from_numpy(depths), scores=torch.from_numpy(scores), num_nodes=torch.from_numpy(num))
+        scores[gen.random((rows, width)) < 0.05] = np.nan  # (ranked as -inf)
+        scores[:, 0] = 0.0
         s, d = scores[:, 1:], depths[:, 1:]
         valid = np.arange(1, width)[None] < num[:, None]
-        s = np.where(valid, s, -np.inf).astype(np.float32)
+        s = np.where(valid & ~np.isnan(s), s, -np.inf).astype(np.float32)
         p = np.where(s > -np.inf, dec.calibrator.predict_np(s, d), 0.0)
         if estimator == "adaptive":
             p = np.minimum(p * 0.7 ** np.maximum(d, 0), dec._level.p_max)

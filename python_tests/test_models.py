@@ -299,6 +299,12 @@ def test_drafter_steps_in_one_call_match_their_pytorch_form(dtype):
         assert got.shape == want.shape and got.is_contiguous()
         tol = dict(atol=2e-4, rtol=1e-4) if dtype is torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
         torch.testing.assert_close(got, want, **tol)
+    one = heads[:1]  # one request's heads at two requests' positions: broadcast, as the PyTorch form does
+    positions = torch.randint(0, 4000, (2, 9), generator=gen)
+    ang = positions.float()[:, None, :, None] * (10000.0 ** (-torch.arange(8, dtype=torch.float32) / 8))
+    x1, x2 = one[..., :8].float(), one[..., 8:].float()
+    want = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1).to(dtype)
+    torch.testing.assert_close(_rope(one, positions, 10000.0), want, **tol)
     with pytest.raises(RuntimeError, match="even Dh"):
         ops.rotary_rows(torch.randn(1, 2, 3, 5), torch.arange(3)[None], 10000.0)
     with pytest.raises(RuntimeError, match="positions must be"):

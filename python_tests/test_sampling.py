@@ -176,3 +176,21 @@ def test_one_call_bad_input():
         ops.tokens_from_logits(torch.randn(2, 5), torch.rand(3), 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.tokens_from_logits(torch.randn(2, 5).half(), None, 0.0)
+
+
+def test_one_call_degenerate_rows_and_default_dtype():
+    """A +inf logit takes every draw, a temperature whose inverse overflows is greedy, and the
+    sampler works whatever torch's default dtype (its uniforms are drawn in it)."""
+    from dartree_ext import ops
+    logits = torch.randn(2, 300)
+    logits[0, 123] = float("inf")
+    u = torch.rand(2, 1)
+    assert ops.tokens_from_logits(logits, u, 1.0)[0].item() == 123
+    assert torch.equal(ops.tokens_from_logits(logits, u, 1e-39), logits.argmax(-1))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        tokens = target_tokens_from_logits(torch.randn(3, 50), 1.0, generator=torch.Generator().manual_seed(0))
+    finally:
+        torch.set_default_dtype(old)
+    assert tokens.shape == (3,)

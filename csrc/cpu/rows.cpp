@@ -192,12 +192,15 @@ void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int6
         if (std::isnan(row[j])) first_nan = j;
         else if (best < 0 && row[j] == top) best = j;
       }
-      if (first_nan >= 0 || temperature <= 0.0f) {  // the first maximum (a NaN wins)
+      // x / T - max / T: the max of x / T is max / T (division by T > 0 is monotone)
+      const float inv_t = temperature > 0.0f ? 1.0f / temperature : 0.0f;
+      // the first maximum (a NaN wins): greedy, and where sampling would have no finite weights
+      // (a +inf logit takes all the mass; a temperature so small that 1 / T overflows is greedy)
+      if (first_nan >= 0 || temperature <= 0.0f || top == std::numeric_limits<float>::infinity() ||
+          !std::isfinite(inv_t)) {
         out[r] = first_nan >= 0 ? first_nan : std::max<int64_t>(best, 0);
         continue;
       }
-      // x / T - max / T: the max of x / T is max / T (division by T > 0 is monotone)
-      const float inv_t = 1.0f / temperature;
       float total = 0.0f;
       const int64_t blocks = static_cast<int64_t>(block_sum.size());
       for (int64_t b = 0; b < blocks; ++b) {

@@ -35,9 +35,10 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
     (int64, increasing, ``>= dst_start[b]``) to ``dst_start[b] + i``; then crop a croppable
     cache to ``new_length`` slots (``None``: leave its length). Returns ``cache``."""
     layers = cache_layers(cache)
-    # (the op checks that every tensor is contiguous: compaction moves entries in place)
-    ops.compact_kv_layers_([t for layer in layers for t in (layer.keys, layer.values)], src_positions, dst_start,
-                           lengths)
+    tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("cache keys/values must be contiguous for in-place compaction")
+    ops.compact_kv_layers_(tensors, src_positions, dst_start, lengths)
     return _crop_layers(cache, layers, new_length)
 
 

@@ -279,8 +279,8 @@ class AcceptanceCalibrator:
         self.probabilities_list()
         return self.__dict__["_probs"][4]
 
-    def probabilities_list(self) -> list[float]:
-        """P(accepted) per bin (best bin first), as a list, kept until the counts change; in
+    def probabilities_list(self) -> tuple[float, ...]:
+        """P(accepted) per bin (best bin first), as a tuple, kept until the counts change; in
         plain Python (see :meth:`bin_list`)."""
         cached = self.__dict__.get("_probs")  # (updates, hits, trials, list, array)
         if cached is not None and cached[0] == self._updates and cached[1] is self.hits and cached[2] is self.trials:
@@ -296,7 +296,7 @@ class AcceptanceCalibrator:
         fitted = isotonic(p, [t + w for t in trials], increasing=False)
         probs = np.asarray(fitted, dtype=np.float32)
         probs.flags.writeable = False  # the cached array itself is returned
-        fitted = probs.tolist()  # (the float32 values, as the array has them)
+        fitted = tuple(probs.tolist())  # (the float32 values, as the array has them; immutable: it is cached)
         self.__dict__["_probs"] = (self._updates, self.hits, self.trials, fitted, probs)
         return fitted
 

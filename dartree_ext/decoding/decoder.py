@@ -649,7 +649,7 @@ class SpeculativeDecoder:
         (a round's few dozen nodes: right after the target's forward a library's code paths are
         cold, and each NumPy or torch call costs tens of microseconds)."""
         scores, depths, num = self._host_lists(tree, tree.scores, tree.depths)
-        width = len(scores[0])
+        width = tree.tokens.shape[1]
         total = [0.0] * width
         factor = self._level.factor if self.estimator == "adaptive" else 1.0
         for row_scores, row_depths, n in zip(scores, depths, num):
@@ -658,8 +658,8 @@ class SpeculativeDecoder:
             if factor != 1.0:
                 p_max = self._level.p_max
                 p = [min(v * factor ** max(k, 0), p_max) for v, k in zip(p, d)]
-            # best first (ties in node order); nodes without a drafter score (-inf) add nothing
-            order = sorted(range(len(s)), key=s.__getitem__, reverse=True)
+            # best first (ties in node order, NaN as -inf); nodes without a drafter score (-inf) add nothing
+            order = sorted(range(len(s)), key=lambda j: s[j] if s[j] == s[j] else -math.inf, reverse=True)
             acc = 0.0
             for i, j in enumerate(order, start=1):
                 if s[j] > -math.inf:

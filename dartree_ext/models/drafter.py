@@ -144,7 +144,7 @@ def _one_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half rotary embedding: ``x [B, H, T, Dh]``, ``positions int64[B, T]``."""
-    if _one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64:
+    if _one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64 and positions.shape[0] in (1, x.shape[0]):
         return ops.rotary_rows(x, positions, theta)
     half = x.shape[-1] // 2
     inv = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
