@@ -112,24 +112,30 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
 // target's forward, when every library code path it would touch is cold.
 template <typename T>
 struct CpuHead {
-  std::vector<float> w_s;   // [E, G]
-  std::vector<float> w_hh;  // [3G, G]
-  std::vector<float> b_hh;  // [3G], or empty
-  const T* fc2;             // [V, E]
-  const T* fc2_bias;        // [V] or null
-  const T* gru_table;       // [V, 3G]
+  const float* w_s;   // [E, G]
+  const float* w_hh;  // [3G, G]
+  const float* b_hh;  // [3G], or null
+  const T* fc2;       // [V, E]
+  const T* fc2_bias;  // [V] or null
+  const T* gru_table; // [V, 3G]
   int64_t e, g;
 
+  // The float32 copies live in one buffer per thread, reused from call to call (a fresh 200 KiB
+  // allocation each call would be mapped and faulted in by the kernel every round). One CpuHead
+  // is alive at a time in a thread: each op call makes one.
   explicit CpuHead(const HeadWeights& w)
-      : w_s(w.w_s.numel()), w_hh(w.w_hh.numel()), fc2(w.fc2_weight.data_ptr<T>()),
-        fc2_bias(w.fc2_bias.has_value() ? w.fc2_bias->data_ptr<T>() : nullptr),
+      : fc2(w.fc2_weight.data_ptr<T>()), fc2_bias(w.fc2_bias.has_value() ? w.fc2_bias->data_ptr<T>() : nullptr),
         gru_table(w.gru_table.data_ptr<T>()), e(w.w_s.size(0)), g(w.w_s.size(1)) {
-    widen(w.w_s.data_ptr<T>(), w_s.data(), w_s.size());
-    widen(w.w_hh.data_ptr<T>(), w_hh.data(), w_hh.size());
-    if (w.b_hh.has_value()) {
-      b_hh.resize(3 * g);
-      widen(w.b_hh->data_ptr<T>(), b_hh.data(), 3 * g);
-    }
+    static thread_local std::vector<float> buffer;
+    const int64_t n_s = w.w_s.numel(), n_hh = w.w_hh.numel(), n_b = w.b_hh.has_value() ? 3 * g : 0;
+    if (static_cast<int64_t>(buffer.size()) < n_s + n_hh + n_b) buffer.resize(n_s + n_hh + n_b);
+    float* out = buffer.data();
+    widen(w.w_s.data_ptr<T>(), out, n_s);
+    widen(w.w_hh.data_ptr<T>(), out + n_s, n_hh);
+    if (n_b) widen(w.b_hh->data_ptr<T>(), out + n_s + n_hh, n_b);
+    w_s = out;
+    w_hh = out + n_s;
+    b_hh = n_b ? out + n_s + n_hh : nullptr;
   }
 };
 
@@ -190,7 +196,7 @@ void expand_batch(const CpuHead<T>& head, const DepthIn<T>& in, int64_t batch, i
       const float* st = in.states + b * p_max * g;
       const int64_t* ids = in.ids + b * in.cand_stride;
       widen(in.z + b * in.z_stride, zf.data(), e);
-      rows_dot(st, parents_here, g, head.w_s.data(), e, g, zf.data(), hidden.data(), e);  // z + W_s s
+      rows_dot(st, parents_here, g, head.w_s, e, g, zf.data(), hidden.data(), e);  // z + W_s s
       silu_inplace(hidden.data(), parents_here * e);
       widen(in.base + b * in.cand_stride, base.data(), k);
       for (int64_t c = 0; c < k; ++c) {
@@ -249,8 +255,8 @@ void expand_batch(const CpuHead<T>& head, const DepthIn<T>& in, int64_t batch, i
       for (size_t r = 0; r < distinct.size(); ++r)
         std::memcpy(distinct_states.data() + r * g, st + distinct[r] * g, g * sizeof(float));
       gates.resize(distinct.size() * 3 * g);
-      rows_dot(distinct_states.data(), static_cast<int64_t>(distinct.size()), g, head.w_hh.data(), 3 * g, g,
-               head.b_hh.empty() ? nullptr : head.b_hh.data(), gates.data(), 3 * g);
+      rows_dot(distinct_states.data(), static_cast<int64_t>(distinct.size()), g, head.w_hh, 3 * g, g, head.b_hh,
+               gates.data(), 3 * g);
       float* cs = child_states + b * width * g;
       for (int64_t i = 0; i < width; ++i) {
         float* state_out = cs + i * g;
