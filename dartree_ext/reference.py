@@ -442,3 +442,36 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         vh_loss = torch.where(valid, bce, 0.0).sum() / valid.sum().clamp(min=1)
     loss = ce_loss + vh_weight * vh_loss
     return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)
+
+
+# a round's per-row steps (ops.rms_norm_rows, rotary_rows, tokens_from_logits) -----------------
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2) + eps))`` in float32, the normalized row rounded to the
+    dtype and the product rounded again (the drafter's RMSNorm; what training runs)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary_rows(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [B, H, T, Dh]`` at ``positions int64[B or 1, T]``,
+    float32 math, one rounding (the drafter's; what training runs)."""
+    half = x.shape[-1] // 2
+    inv = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = positions.float()[:, None, :, None] * inv
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """T = 0: ``argmax`` (the first maximum). T > 0: the first token whose cumulative
+    ``exp((x - max) / T)`` exceeds ``u`` times the row's total (inverse-CDF sampling)."""
+    if temperature == 0:
+        return logits.float().argmax(-1)
+    scaled = logits.float() / temperature
+    cdf = (scaled - scaled.amax(-1, keepdim=True)).exp().cumsum(-1)
+    u = uniforms.reshape(cdf.shape[:-1] + (1,)).float() * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1)[..., 0]

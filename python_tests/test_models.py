@@ -282,6 +282,7 @@ def test_drafter_steps_in_one_call_match_their_pytorch_form(dtype):
         norm.weight.copy_(torch.randn(40, generator=gen))
     x = (torch.randn(3, 7, 40, generator=gen) * 3).to(dtype)
     want = norm(x.requires_grad_(dtype is torch.float32))  # the PyTorch form (autograd wanted)
+    assert torch.equal(want, reference.rms_norm_rows(x, norm.weight, 1e-5))
     with torch.no_grad():
         got = norm(x.detach())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype is torch.float32 else dict(atol=0.0, rtol=2 ** -7)
@@ -290,21 +291,14 @@ def test_drafter_steps_in_one_call_match_their_pytorch_form(dtype):
 
     heads = torch.randn(2, 9, 4, 16, generator=gen).to(dtype).transpose(1, 2)  # [B, H, T, Dh], strided
     for positions in (torch.randint(0, 4000, (2, 9), generator=gen), torch.arange(30, 39)[None]):
-        half = 8
-        inv = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
-        ang = positions.float()[:, None, :, None] * inv
-        x1, x2 = heads[..., :half].float(), heads[..., half:].float()
-        want = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1).to(dtype)
+        want = reference.rotary_rows(heads, positions, 10000.0)
         got = _rope(heads, positions, 10000.0)
         assert got.shape == want.shape and got.is_contiguous()
         tol = dict(atol=2e-4, rtol=1e-4) if dtype is torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
         torch.testing.assert_close(got, want, **tol)
     one = heads[:1]  # one request's heads at two requests' positions: broadcast, as the PyTorch form does
     positions = torch.randint(0, 4000, (2, 9), generator=gen)
-    ang = positions.float()[:, None, :, None] * (10000.0 ** (-torch.arange(8, dtype=torch.float32) / 8))
-    x1, x2 = one[..., :8].float(), one[..., 8:].float()
-    want = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1).to(dtype)
-    torch.testing.assert_close(_rope(one, positions, 10000.0), want, **tol)
+    torch.testing.assert_close(_rope(one, positions, 10000.0), reference.rotary_rows(one, positions, 10000.0), **tol)
     with pytest.raises(RuntimeError, match="even Dh"):
         ops.rotary_rows(torch.randn(1, 2, 3, 5), torch.arange(3)[None], 10000.0)
     with pytest.raises(RuntimeError, match="positions must be"):

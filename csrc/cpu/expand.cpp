@@ -95,17 +95,6 @@ DARTREE_VEC_INLINE void silu_inplace_impl(float* v, int64_t n) {
 }
 DARTREE_AVX2_DISPATCH(void, silu_inplace, (float* v, int64_t n), (v, n))
 
-// n values as float32 into dst (bfloat16 by its bits, so the loop vectorizes).
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
-}
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
 // The head as the CPU expansion reads it: its small matrices (w_s, w_hh, b_hh) as float32, once
 // per call, read for every parent; fc2 and gru_table stay as they are (only the K candidate rows
 // and the chosen tokens' rows are ever read). No ATen call: the expansion runs right after the

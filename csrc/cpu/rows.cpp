@@ -169,23 +169,12 @@ DARTREE_AVX2_DISPATCH(float, exp_block, (const float* x, int64_t n, float top, f
                       (x, n, top, inv_t, out))
 
 template <typename T>
-void widen_row(const T* x, float* out, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(out, x, n * sizeof(float));
-  } else {
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
-  }
-}
-
-template <typename T>
 void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int64_t rows, int64_t v,
                       float temperature) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(v), exps(v), block_sum((v + kSampleBlock - 1) / kSampleBlock);
     for (int64_t r = begin; r < end; ++r) {
-      widen_row(logits + r * v, row.data(), v);
+      widen(logits + r * v, row.data(), v);
       const float top = max_f32(row.data(), v);
       int64_t first_nan = -1, best = -1;
       for (int64_t j = 0; j < v && first_nan < 0; ++j) {

@@ -7,6 +7,9 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
 
 // DARTREE_AVX2_DISPATCH(ret, name, (params), (args)) defines `name` from `name##_impl` (marked
 // DARTREE_VEC_INLINE): an AVX2 + FMA build and a baseline x86-64 build of it, and `name` calling
@@ -65,11 +68,24 @@ DARTREE_VEC_INLINE float vexp(float x) {
 DARTREE_VEC_INLINE float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 DARTREE_VEC_INLINE float vtanh(float x) { return 2.0f / (1.0f + vexp(-2.0f * x)) - 1.0f; }
 
+// n values as float32 into dst: float32 copied, bfloat16 by its bits (a shift: the loop
+// vectorizes), other types (float16) through their conversion.
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
+}
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
 // n values as float32: float rows as they are, others (16-bit) widened into `buffer` first.
 inline const float* as_float(const float* row, int64_t, float*) { return row; }
 template <typename T>
 const float* as_float(const T* row, int64_t n, float* buffer) {
-  for (int64_t j = 0; j < n; ++j) buffer[j] = static_cast<float>(row[j]);
+  widen(row, buffer, n);
   return buffer;
 }
 

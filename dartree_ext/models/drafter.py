@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import ops, reference
 from ..attention import gqa_attention
 from ..head import CorrectionHeadWeights
 from ..linear import linear_as
@@ -126,10 +126,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _one_call(x, self.weight):
             return ops.rms_norm_rows(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return reference.rms_norm_rows(x, self.weight, self.eps)
 
 
 def _one_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -146,12 +143,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     """Rotate-half rotary embedding: ``x [B, H, T, Dh]``, ``positions int64[B, T]``."""
     if _one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64 and positions.shape[0] in (1, x.shape[0]):
         return ops.rotary_rows(x, positions, theta)
-    half = x.shape[-1] // 2
-    inv = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    ang = positions.float()[:, None, :, None] * inv
-    cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+    return reference.rotary_rows(x, positions, theta)
 
 
 class AttentionMLPLayer(nn.Module):
