@@ -112,10 +112,15 @@ def few_rows_max_rows(model: torch.nn.Module) -> int | None:
 
 
 def set_linear(model: torch.nn.Module, kind: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
-    """``kind`` = ``"few_rows"`` or ``"torch"``: patch or restore ``model``'s linear layers."""
+    """``kind`` = ``"few_rows"`` or ``"torch"``: patch or restore ``model``'s linear layers, and with
+    them its RMSNorms and rotary embedding (:mod:`dartree_ext.row_layers`: the same per-row CPU
+    kernels for a forward's small steps)."""
+    from .row_layers import restore_row_layers, use_row_layers
     if kind not in LINEAR_KINDS:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {kind!r}")
     if kind == "few_rows":
         use_few_rows_linear(model, max_rows)
+        use_row_layers(model)
     else:
         restore_torch_linear(model)
+        restore_row_layers(model)

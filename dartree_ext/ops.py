@@ -20,7 +20,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows", "rotary_tables",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
@@ -162,6 +162,16 @@ def rotary_rows(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch
     rounding to the dtype, as the drafter's ``_rope`` does in about 17 ATen calls. Returns a
     contiguous tensor. No autograd."""
     return _ops.rotary_rows.default(x, positions, theta)
+
+
+def rotary_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers model's rotate-half rotary embedding (``apply_rotary_pos_emb``) of ``q`` and
+    ``k [B, H, T, Dh]`` (CPU, float32 or bfloat16, unit stride in Dh, any other strides) with its
+    ``cos`` / ``sin`` tables ``[B or 1, T, Dh]`` of the same dtype, in one call:
+    ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to the dtype as the
+    PyTorch form's calls round them (the same bits). Returns contiguous tensors. No autograd."""
+    return _ops.rotary_tables.default(q, k, cos, sin)
 
 
 def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -488,6 +498,12 @@ def _rms_norm_rows_fake(x, weight, eps):
 def _rotary_rows_fake(x, positions, theta):
     _check_same_device("rotary_rows", x=x, positions=positions)
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("dartree_ext::rotary_tables")
+def _rotary_tables_fake(q, k, cos, sin):
+    _check_same_device("rotary_tables", q=q, k=k, cos=cos, sin=sin)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake("dartree_ext::tokens_from_logits")

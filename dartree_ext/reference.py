@@ -466,6 +466,19 @@ def rotary_rows(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
+def rotary_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding with cos / sin tables ``[B or 1, T, Dh]`` (transformers'
+    ``apply_rotary_pos_emb``): ``x * cos + rotate_half(x) * sin`` for ``x`` = ``q``, ``k``."""
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """T = 0: ``argmax`` (the first maximum). T > 0: the first token whose cumulative
     ``exp((x - max) / T)`` exceeds ``u`` times the row's total (inverse-CDF sampling)."""

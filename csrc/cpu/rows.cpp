@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -131,6 +132,78 @@ at::Tensor rotary_rows_cpu(const at::Tensor& x, const at::Tensor& positions, dou
     rotary_rows_impl(x.data_ptr<c10::BFloat16>(), pc.data_ptr<int64_t>(), y.data_ptr<c10::BFloat16>(), x.size(0),
                      x.size(1), x.size(2), x.size(3), pc.size(0), static_cast<float>(theta), strides);
   return y;
+}
+
+// A transformers model's rotate-half rotary embedding (`apply_rotary_pos_emb`) of q and k
+// [B, H, T, Dh] with its cos / sin tables [B or 1, T, Dh] (x's dtype): out = x * cos +
+// rotate_half(x) * sin, each product and the sum rounded to the dtype as those three PyTorch calls
+// round them (the same bits; the empty asm keeps the compiler from fusing a float32 product and sum).
+template <typename T>
+DARTREE_VEC_INLINE float rounded(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    asm("" : "+x"(v));  // materialized: a separate multiply and add, as PyTorch computes them
+    return v;
+  } else {
+    return static_cast<float>(round_to<T>(v));
+  }
+}
+
+template <typename T>
+void rotary_tables_impl(const at::Tensor& x, const T* cs, const T* sn, int64_t table_batch, at::Tensor& y) {
+  const int64_t batch = x.size(0), heads = x.size(1), t = x.size(2), dh = x.size(3), half = dh / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, batch * heads * t, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = r % t, hd = (r / t) % heads, b = r / (t * heads);
+      const T* xr = xp + b * s0 + hd * s1 + s * s2;
+      const int64_t table = ((table_batch == 1 ? 0 : b) * t + s) * dh;
+      const T* c = cs + table;
+      const T* n = sn + table;
+      T* yr = yp + r * dh;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
+        yr[i] = round_to<T>(rounded<T>(x1 * static_cast<float>(c[i])) -
+                            rounded<T>(x2 * static_cast<float>(n[i])));
+        yr[i + half] = round_to<T>(rounded<T>(x2 * static_cast<float>(c[i + half])) +
+                                   rounded<T>(x1 * static_cast<float>(n[i + half])));
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                     const at::Tensor& sin) {
+  const char* op = "rotary_tables";
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": q must be float32 or bfloat16, got ", dtype);
+  for (const at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 4 && x->size(3) % 2 == 0 && x->stride(3) == 1 && x->scalar_type() == dtype, op,
+                ": q and k must be [B, H, T, Dh] of one dtype with an even Dh and unit stride in it, got ", x->sizes(),
+                " ", x->scalar_type(), " strides ", x->strides());
+    check_same_device(op, "k", *x, q, "q");
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3), op,
+              ": k ", k.sizes(), " does not match q ", q.sizes());
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  for (const at::Tensor* tbl : {&cc, &sc}) {
+    check_tensor(op, "cos / sin", *tbl, dtype, 3);
+    TORCH_CHECK((tbl->size(0) == q.size(0) || tbl->size(0) == 1) && tbl->size(1) == q.size(2) &&
+                    tbl->size(2) == q.size(3),
+                op, ": cos / sin must be [B or 1, T, Dh] for q ", q.sizes(), ", got ", tbl->sizes());
+    check_same_device(op, "cos / sin", *tbl, q, "q");
+  }
+  TORCH_CHECK(cc.size(0) == sc.size(0), op, ": cos ", cc.sizes(), " and sin ", sc.sizes(), " differ");
+  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
+  if (dtype == at::kFloat) {
+    rotary_tables_impl<float>(q, cc.data_ptr<float>(), sc.data_ptr<float>(), cc.size(0), qo);
+    rotary_tables_impl<float>(k, cc.data_ptr<float>(), sc.data_ptr<float>(), cc.size(0), ko);
+  } else {
+    rotary_tables_impl<c10::BFloat16>(q, cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), cc.size(0), qo);
+    rotary_tables_impl<c10::BFloat16>(k, cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), cc.size(0), ko);
+  }
+  return {qo, ko};
 }
 
 // The target's token at each verified node, from its logits [R, V]: the first maximum (ties to
@@ -256,6 +329,7 @@ at::Tensor tokens_from_logits_cpu(const at::Tensor& logits, const std::optional<
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("rms_norm_rows", &rms_norm_rows_cpu);
   m.impl("rotary_rows", &rotary_rows_cpu);
+  m.impl("rotary_tables", &rotary_tables_cpu);
   m.impl("tokens_from_logits", &tokens_from_logits_cpu);
 }
 

@@ -1,0 +1,144 @@
+"""A transformers model's RMSNorm layers and rotary embedding through this library's per-row CPU
+ops, one call each instead of the seven and fourteen ATen calls of their PyTorch forms.
+
+A decoding step of a small model on a CPU spends much of its forward outside the matrix products:
+SmolLM2-135M's 61 RMSNorms and 30 rotary embeddings made about 800 of its ~1800 ATen calls a
+forward. :func:`use_row_layers` routes
+
+- every RMSNorm whose ``forward`` is transformers' ``LlamaRMSNorm.forward`` (Llama, SmolLM2 and
+  the architectures that copy it) through :func:`dartree_ext.ops.rms_norm_rows` (float32 math, the
+  normalized row and the product rounded to the dtype where the PyTorch form rounds them; its
+  float32 sum of squares runs in another order, so a value can differ in its last bit), and
+- the modeling module's ``apply_rotary_pos_emb`` (where it is Llama's) through
+  :func:`dartree_ext.ops.rotary_tables` (the same bits as the PyTorch form),
+
+for CPU float32 / bfloat16 inputs without autograd; anything else takes the original code. Both
+ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
+``few_rows_linear``). :func:`dartree_ext.linear.set_linear` with ``"few_rows"`` applies it.
+
+    from dartree_ext.row_layers import use_row_layers, restore_row_layers
+    use_row_layers(target)       # returns how many norms were patched
+    restore_row_layers(target)
+
+The rotary function is replaced in the modeling module itself (it is a module-level function), so
+every model of that architecture in the process takes it; it gives the same bits as the original.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from . import ops
+
+_FLAG = "_dartree_row_norm"
+_ORIGINAL_ROTARY: dict[str, object] = {}  # modeling module name -> its own apply_rotary_pos_emb
+
+
+def _same_code(a, b) -> bool:
+    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return a is not None and b is not None and a.co_code == b.co_code and a.co_consts == b.co_consts \
+        and a.co_names == b.co_names
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+    return modeling_llama
+
+
+def _plain_norm(module: torch.nn.Module) -> bool:
+    """An RMSNorm computing exactly ``LlamaRMSNorm.forward`` (not patched by anyone else)."""
+    return (isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "variance_epsilon")
+            and _same_code(type(module).forward, _llama().LlamaRMSNorm.forward)
+            and ("forward" not in module.__dict__ or hasattr(module, _FLAG)))
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    dtype = x.dtype
+    if (x.is_cpu and dtype == weight.dtype and (dtype is torch.bfloat16 or dtype is torch.float32) and x.dim() >= 1
+            and x.shape[-1] == weight.shape[0] and weight.dim() == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return ops.rms_norm_rows(x, weight, self.variance_epsilon)
+    return type(self).forward(self, x)
+
+
+def _rotary_fits(q, k, cos, sin, unsqueeze_dim) -> bool:
+    dtype = q.dtype
+    return (unsqueeze_dim == 1 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_cpu
+            and (dtype is torch.bfloat16 or dtype is torch.float32) and k.dtype == dtype and cos.dtype == dtype
+            and sin.dtype == dtype and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+            and q.shape[-1] % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.device == q.device
+            and cos.device == q.device and sin.device == q.device
+            and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and cos.shape[0] in (1, q.shape[0])
+            and cos.shape[1] == q.shape[2] and cos.shape[2] == q.shape[3]
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                                                  or sin.requires_grad)))
+
+
+def _rotary_for(module_name: str):
+    original = _ORIGINAL_ROTARY[module_name]
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _rotary_fits(q, k, cos, sin, unsqueeze_dim):
+            return ops.rotary_tables(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__doc__ = original.__doc__
+    apply_rotary_pos_emb._dartree_original = original
+    return apply_rotary_pos_emb
+
+
+def _modeling_modules(model: torch.nn.Module) -> list[types.ModuleType]:
+    """The modules defining ``model``'s layers that have a Llama-style ``apply_rotary_pos_emb``."""
+    names = {type(m).__module__ for m in model.modules()}
+    found = []
+    for name in sorted(names):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None:
+            continue
+        original = getattr(fn, "_dartree_original", fn)
+        if _same_code(original, getattr(_llama().apply_rotary_pos_emb, "_dartree_original",
+                                        _llama().apply_rotary_pos_emb)):
+            found.append(mod)
+    return found
+
+
+def use_row_layers(model: torch.nn.Module) -> int:
+    """Route ``model``'s Llama-style RMSNorms and rotary embedding through the per-row CPU ops (see
+    the module's docstring). Returns how many norms were patched; calling it again is harmless."""
+    count = 0
+    for module in model.modules():
+        if _plain_norm(module):
+            setattr(module, _FLAG, True)
+            module.forward = types.MethodType(_norm_forward, module)
+            count += 1
+    for mod in _modeling_modules(model):
+        if not hasattr(mod.apply_rotary_pos_emb, "_dartree_original"):
+            _ORIGINAL_ROTARY[mod.__name__] = mod.apply_rotary_pos_emb
+            mod.apply_rotary_pos_emb = _rotary_for(mod.__name__)
+    return count
+
+
+def restore_row_layers(model: torch.nn.Module) -> int:
+    """Undo :func:`use_row_layers` (the rotary function of ``model``'s modeling modules too).
+    Returns how many norms were restored."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, _FLAG):
+            delattr(module, _FLAG)
+            if "forward" in module.__dict__:
+                del module.forward
+            count += 1
+    for mod in _modeling_modules(model):
+        original = getattr(mod.apply_rotary_pos_emb, "_dartree_original", None)
+        if original is not None:
+            mod.apply_rotary_pos_emb = original
+    return count
+
+
+def row_layers_used(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s norms runs through :func:`dartree_ext.ops.rms_norm_rows`."""
+    return any(hasattr(m, _FLAG) for m in model.modules())

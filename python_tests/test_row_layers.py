@@ -1,0 +1,192 @@
+"""A transformers model's RMSNorms and rotary embedding through the per-row CPU ops
+(dartree_ext.row_layers, ops.rotary_tables): the op against transformers' function and the
+reference, bad input, the patch (what it takes, what it leaves, autograd, restore), and decoding
+through it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dartree_ext import ops, reference
+from dartree_ext.decoding import left_pad
+from dartree_ext.decoding.decoder import SpeculativeDecoder
+from dartree_ext.linear import set_linear
+from dartree_ext.row_layers import restore_row_layers, row_layers_used, use_row_layers
+
+from models import tiny_drafter, tiny_target
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+    return modeling_llama
+
+
+def _original_rotary():
+    fn = _llama().apply_rotary_pos_emb
+    return getattr(fn, "_dartree_original", fn)
+
+
+def _tables(batch, t, d, dtype, gen, scale=40.0):
+    angles = torch.rand(batch, t, d // 2, generator=gen) * scale
+    return torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,h,kv,t,d,tb", [(1, 9, 3, 7, 64, 1), (2, 4, 2, 5, 32, 2), (2, 4, 4, 1, 8, 1),
+                                           (3, 2, 1, 33, 16, 3), (1, 1, 1, 1, 2, 1)])
+def test_rotary_tables_is_transformers_bit_for_bit(dtype, b, h, kv, t, d, tb):
+    gen = torch.Generator().manual_seed(b * 100 + t)
+    q = torch.randn(b, t, h, d, generator=gen).to(dtype).transpose(1, 2)  # as transformers passes them
+    k = torch.randn(b, t, kv, d, generator=gen).to(dtype).transpose(1, 2)
+    cos, sin = _tables(tb, t, d, dtype, gen)
+    got = ops.rotary_tables(q, k, cos, sin)
+    want = _original_rotary()(q, k, cos, sin)
+    ref = reference.rotary_tables(q, k, cos, sin)
+    for g, w, r in zip(got, want, ref):
+        assert g.is_contiguous() and g.dtype == dtype and g.shape == w.shape
+        assert torch.equal(g, w) and torch.equal(g, r)
+    # contiguous inputs, and a batch of 2 reading one table
+    q2, k2 = q.contiguous(), k.contiguous()
+    assert all(torch.equal(g, w) for g, w in zip(ops.rotary_tables(q2, k2, cos, sin), ops.rotary_tables(q, k, cos, sin)))
+
+
+def test_rotary_tables_handles_extremes():
+    """Large values, infinities and NaN as the PyTorch form has them."""
+    q = torch.tensor([[[[3e38, -3e38, float("inf"), float("nan")]]]])
+    k = torch.tensor([[[[1.0, -2.0, 0.0, -0.0]]]])
+    cos = torch.tensor([[[0.5, -1.0, 0.5, -1.0]]])
+    sin = torch.tensor([[[2.0, 0.25, 2.0, 0.25]]])
+    for got, want in zip(ops.rotary_tables(q, k, cos, sin), _original_rotary()(q, k, cos, sin)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_rotary_tables_bad_input():
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4)
+    cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    with pytest.raises(RuntimeError, match="even Dh"):
+        ops.rotary_tables(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rotary_tables(q.half(), k.half(), cos.half(), sin.half())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.rotary_tables(q, k.bfloat16(), cos, sin)
+    with pytest.raises(RuntimeError, match="cos / sin"):
+        ops.rotary_tables(q, k, cos.bfloat16(), sin)
+    with pytest.raises(RuntimeError, match=r"\[B or 1, T, Dh\]"):
+        ops.rotary_tables(q, k, torch.randn(1, 4, 4), torch.randn(1, 4, 4))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.rotary_tables(q, torch.randn(1, 1, 2, 4), cos, sin)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ops.rotary_tables(torch.randn(1, 2, 4, 3).transpose(2, 3), k, cos, sin)
+    with pytest.raises(RuntimeError, match="differ"):
+        ops.rotary_tables(torch.randn(2, 2, 3, 4), torch.randn(2, 1, 3, 4), torch.randn(2, 3, 4), torch.randn(1, 3, 4))
+
+
+def test_rotary_tables_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = _tables(2, 5, 8, torch.float32, gen)
+    torch.library.opcheck(torch.ops.dartree_ext.rotary_tables.default,
+                          (torch.randn(2, 5, 3, 8).transpose(1, 2), torch.randn(2, 1, 5, 8), cos, sin))
+
+
+def _count(monkeypatch, name):
+    calls = []
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_patched_model(kind, dtype, monkeypatch):
+    model = tiny_target(kind, hidden=64, layers=3).to(dtype)
+    ids = torch.randint(0, 97, (2, 9))
+    norms = sum(1 for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+    try:
+        with torch.no_grad():
+            before = model(ids).logits
+            assert use_row_layers(model) == norms and row_layers_used(model)
+            assert use_row_layers(model) == norms                          # again: harmless
+            norm_calls, rotary_calls = _count(monkeypatch, "rms_norm_rows"), _count(monkeypatch, "rotary_tables")
+            patched = model(ids).logits
+            assert len(norm_calls) == norms and len(rotary_calls) == 3    # every norm; one rotary call a layer
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+        torch.testing.assert_close(patched.float(), before.float(), **tol)
+    finally:
+        assert restore_row_layers(model) == norms and not row_layers_used(model)
+    assert not hasattr(_llama().apply_rotary_pos_emb, "_dartree_original")  # the module's own function again
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_patched_model_keeps_autograd(monkeypatch):
+    model = tiny_target("llama", hidden=32, layers=2)
+    ids = torch.randint(0, 97, (1, 6))
+    model(ids).logits.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    try:
+        use_row_layers(model)
+        calls = _count(monkeypatch, "rms_norm_rows") + _count(monkeypatch, "rotary_tables")
+        model(ids).logits.sum().backward()                                # the PyTorch forms while grads are needed
+        assert not calls
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, w)
+    finally:
+        restore_row_layers(model)
+
+
+def test_patch_leaves_other_norms_alone():
+    """A norm computing something else (Gemma's 1 + weight) and an instance forward (a hook) stay."""
+    llama = _llama()
+
+    class OnePlusNorm(llama.LlamaRMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = torch.nn.Sequential(llama.LlamaRMSNorm(8), OnePlusNorm(8), llama.LlamaRMSNorm(8))
+    model[2].forward = lambda x: torch.zeros_like(x)
+    try:
+        assert use_row_layers(model) == 1
+        with torch.no_grad():
+            assert torch.equal(model(torch.randn(3, 8)), torch.zeros(3, 8))
+    finally:
+        assert restore_row_layers(model) == 1
+    assert "forward" in model[2].__dict__                                 # not removed
+
+
+def test_set_linear_applies_and_restores_them():
+    model = tiny_target("llama", hidden=32, layers=2)
+    set_linear(model, "few_rows")
+    try:
+        assert row_layers_used(model) and hasattr(_llama().apply_rotary_pos_emb, "_dartree_original")
+    finally:
+        set_linear(model, "torch")
+    assert not row_layers_used(model) and not hasattr(_llama().apply_rotary_pos_emb, "_dartree_original")
+
+
+@pytest.mark.parametrize("method", ["chain", "dartree", "ddtree"])
+def test_bfloat16_decoding_equals_plain_decoding_through_them(method, monkeypatch):
+    """bfloat16 on a CPU with every per-row kernel (linear layers, norms, rotary, attention): the
+    trees' rows round as plain steps do, so a method's output equals plain decoding's."""
+    from dartree_ext.attention import use_packed_attention
+    from dartree_ext.models import LookupDrafter
+    model = tiny_target("llama", vocab=97, hidden=64, layers=4, seed=5).to(torch.bfloat16)
+    set_linear(model, "few_rows")
+    try:
+        assert use_packed_attention(model)
+        gen = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 14)]
+        ids, mask = left_pad(prompts)
+        width = ids.shape[1]
+        ar = SpeculativeDecoder(model, None, "ar").generate(ids, mask, max_new_tokens=40)
+        refs = [torch.cat([p, ar.sequences[b, width:]]) for b, p in enumerate(prompts)]
+        drafter = LookupDrafter(tiny_drafter(model).to(torch.bfloat16), refs, miss=0.3)
+        rows = _count(monkeypatch, "rms_norm_rows")
+        out = SpeculativeDecoder(model, drafter, method, budget=12, width=4, K=6).generate(ids, mask, max_new_tokens=40)
+        assert out.stats.tau > 1.5 and max(r[-2] for r in rows if len(r) == 3) > 1  # trees went through the norms
+        assert torch.equal(out.sequences, ar.sequences)
+    finally:
+        set_linear(model, "torch")
