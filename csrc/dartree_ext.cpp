@@ -79,6 +79,7 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_rows(Tensor x, Tensor positions, float theta) -> Tensor");
   m.def("rotary_tables(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   // sampling area (CPU only: the target's token at each verified node)
   m.def("tokens_from_logits(Tensor logits, Tensor? uniforms, float temperature) -> Tensor");
 }

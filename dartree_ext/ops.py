@@ -20,7 +20,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows", "rotary_tables",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
@@ -172,6 +172,15 @@ def rotary_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to the dtype as the
     PyTorch form's calls round them (the same bits). Returns contiguous tensors. No autograd."""
     return _ops.rotary_tables.default(q, k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's ``silu(gate) * up`` in one call (CPU, float32 or bfloat16, ``up`` of
+    ``gate``'s shape and dtype): silu rounded to the dtype, then the product rounded, as the two
+    PyTorch calls round them; silu's ``exp`` is a polynomial (relative error about 1e-7), so a
+    bfloat16 value can differ from PyTorch's in its last bit. Returns a contiguous tensor. No
+    autograd."""
+    return _ops.silu_mul.default(gate, up)
 
 
 def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -504,6 +513,12 @@ def _rotary_rows_fake(x, positions, theta):
 def _rotary_tables_fake(q, k, cos, sin):
     _check_same_device("rotary_tables", q=q, k=k, cos=cos, sin=sin)
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.register_fake("dartree_ext::silu_mul")
+def _silu_mul_fake(gate, up):
+    _check_same_device("silu_mul", gate=gate, up=up)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("dartree_ext::tokens_from_logits")

@@ -479,6 +479,11 @@ def rotary_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's ``silu(gate) * up``."""
+    return torch.nn.functional.silu(gate) * up
+
+
 def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """T = 0: ``argmax`` (the first maximum). T > 0: the first token whose cumulative
     ``exp((x - max) / T)`` exceeds ``u`` times the row's total (inverse-CDF sampling)."""

@@ -1,5 +1,6 @@
-"""A transformers model's RMSNorm layers and rotary embedding through this library's per-row CPU
-ops, one call each instead of the seven and fourteen ATen calls of their PyTorch forms.
+"""A transformers model's RMSNorm layers, rotary embedding and SwiGLU activation through this
+library's per-row CPU ops, one call each instead of the seven, fourteen and two ATen calls of their
+PyTorch forms.
 
 A decoding step of a small model on a CPU spends much of its forward outside the matrix products:
 SmolLM2-135M's 61 RMSNorms and 30 rotary embeddings made about 800 of its ~1800 ATen calls a
@@ -10,7 +11,10 @@ forward. :func:`use_row_layers` routes
   normalized row and the product rounded to the dtype where the PyTorch form rounds them; its
   float32 sum of squares runs in another order, so a value can differ in its last bit), and
 - the modeling module's ``apply_rotary_pos_emb`` (where it is Llama's) through
-  :func:`dartree_ext.ops.rotary_tables` (the same bits as the PyTorch form),
+  :func:`dartree_ext.ops.rotary_tables` (the same bits as the PyTorch form), and
+- every MLP whose ``forward`` is ``LlamaMLP.forward`` with SiLU: ``silu(gate) * up`` through
+  :func:`dartree_ext.ops.silu_mul` (silu's exp is a polynomial: a bfloat16 value can differ in its
+  last bit),
 
 for CPU float32 / bfloat16 inputs without autograd; anything else takes the original code. Both
 ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
@@ -52,6 +56,25 @@ def _plain_norm(module: torch.nn.Module) -> bool:
     return (isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "variance_epsilon")
             and _same_code(type(module).forward, _llama().LlamaRMSNorm.forward)
             and ("forward" not in module.__dict__ or hasattr(module, _FLAG)))
+
+
+def _plain_mlp(module: torch.nn.Module) -> bool:
+    """A SwiGLU MLP computing exactly ``LlamaMLP.forward`` with SiLU (not patched by anyone else)."""
+    from transformers.activations import SiLUActivation
+    act = getattr(module, "act_fn", None)
+    return type(act) in (torch.nn.SiLU, SiLUActivation) \
+        and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
+        and _same_code(type(module).forward, _llama().LlamaMLP.forward) \
+        and ("forward" not in module.__dict__ or hasattr(module, _FLAG))
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and not torch.is_grad_enabled():
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype == up.dtype == x.dtype and gate.shape == up.shape:
+            return self.down_proj(ops.silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
+    return type(self).forward(self, x)
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,14 +130,18 @@ def _modeling_modules(model: torch.nn.Module) -> list[types.ModuleType]:
 
 
 def use_row_layers(model: torch.nn.Module) -> int:
-    """Route ``model``'s Llama-style RMSNorms and rotary embedding through the per-row CPU ops (see
-    the module's docstring). Returns how many norms were patched; calling it again is harmless."""
+    """Route ``model``'s Llama-style RMSNorms, rotary embedding and SwiGLU activations through the
+    per-row CPU ops (see the module's docstring). Returns how many norms were patched; calling it
+    again is harmless."""
     count = 0
     for module in model.modules():
         if _plain_norm(module):
             setattr(module, _FLAG, True)
             module.forward = types.MethodType(_norm_forward, module)
             count += 1
+        elif _plain_mlp(module):
+            setattr(module, _FLAG, True)
+            module.forward = types.MethodType(_mlp_forward, module)
     for mod in _modeling_modules(model):
         if not hasattr(mod.apply_rotary_pos_emb, "_dartree_original"):
             _ORIGINAL_ROTARY[mod.__name__] = mod.apply_rotary_pos_emb
@@ -131,7 +158,7 @@ def restore_row_layers(model: torch.nn.Module) -> int:
             delattr(module, _FLAG)
             if "forward" in module.__dict__:
                 del module.forward
-            count += 1
+            count += not _plain_mlp(module)
     for mod in _modeling_modules(model):
         original = getattr(mod.apply_rotary_pos_emb, "_dartree_original", None)
         if original is not None:

@@ -91,6 +91,31 @@ def test_rotary_tables_opcheck():
                           (torch.randn(2, 5, 3, 8).transpose(1, 2), torch.randn(2, 1, 5, 8), cos, sin))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_pytorch(dtype):
+    gen = torch.Generator().manual_seed(4)
+    edges = torch.tensor([-100.0, 100.0, 0.0, -0.0, float("inf"), -float("inf")] * 3 + [1.0] * 32)
+    gate = torch.cat([torch.randn(3, 7, 50, generator=gen) * 6, edges.expand(3, 2, 50)], 1).to(dtype)
+    up = torch.randn(gate.shape, generator=gen).to(dtype)
+    got, want = ops.silu_mul(gate, up), reference.silu_mul(gate, up)
+    assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.isnan(), want.isnan())
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-30, rtol=2 ** -7)
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), **tol)
+    strided = ops.silu_mul(gate.transpose(0, 1), up.transpose(0, 1))  # any strides: read as contiguous copies
+    torch.testing.assert_close(strided, got.transpose(0, 1), rtol=0, atol=0, equal_nan=True)
+
+
+def test_silu_mul_bad_input_and_opcheck():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_mul(torch.randn(3).half(), torch.randn(3).half())
+    with pytest.raises(RuntimeError, match="up must match"):
+        ops.silu_mul(torch.randn(3), torch.randn(4))
+    with pytest.raises(RuntimeError, match="up must match"):
+        ops.silu_mul(torch.randn(3), torch.randn(3).bfloat16())
+    torch.library.opcheck(torch.ops.dartree_ext.silu_mul.default, (torch.randn(2, 5, 8), torch.randn(2, 5, 8)))
+
+
 def _count(monkeypatch, name):
     calls = []
     real = getattr(ops, name)
@@ -110,8 +135,10 @@ def test_patched_model(kind, dtype, monkeypatch):
             assert use_row_layers(model) == norms and row_layers_used(model)
             assert use_row_layers(model) == norms                          # again: harmless
             norm_calls, rotary_calls = _count(monkeypatch, "rms_norm_rows"), _count(monkeypatch, "rotary_tables")
+            mlp_calls = _count(monkeypatch, "silu_mul")
             patched = model(ids).logits
             assert len(norm_calls) == norms and len(rotary_calls) == 3    # every norm; one rotary call a layer
+            assert len(mlp_calls) == 3                                     # one MLP a layer
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
         torch.testing.assert_close(patched.float(), before.float(), **tol)
     finally:
@@ -129,7 +156,8 @@ def test_patched_model_keeps_autograd(monkeypatch):
     model.zero_grad()
     try:
         use_row_layers(model)
-        calls = _count(monkeypatch, "rms_norm_rows") + _count(monkeypatch, "rotary_tables")
+        calls = _count(monkeypatch, "rms_norm_rows") + _count(monkeypatch, "rotary_tables") + \
+            _count(monkeypatch, "silu_mul")
         model(ids).logits.sum().backward()                                # the PyTorch forms while grads are needed
         assert not calls
         for p, w in zip(model.parameters(), want):
@@ -146,12 +174,18 @@ def test_patch_leaves_other_norms_alone():
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = torch.nn.Sequential(llama.LlamaRMSNorm(8), OnePlusNorm(8), llama.LlamaRMSNorm(8))
+    class GeluMLP(llama.LlamaMLP):
+        pass
+
+    cfg = llama.LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
+                            hidden_act="gelu")
+    model = torch.nn.Sequential(llama.LlamaRMSNorm(8), OnePlusNorm(8), llama.LlamaRMSNorm(8), GeluMLP(cfg))
     model[2].forward = lambda x: torch.zeros_like(x)
     try:
         assert use_row_layers(model) == 1
+        assert not hasattr(model[3], "_dartree_row_norm")                  # not SiLU: left alone
         with torch.no_grad():
-            assert torch.equal(model(torch.randn(3, 8)), torch.zeros(3, 8))
+            assert torch.equal(model[:3](torch.randn(3, 8)), torch.zeros(3, 8))
     finally:
         assert restore_row_layers(model) == 1
     assert "forward" in model[2].__dict__                                 # not removed

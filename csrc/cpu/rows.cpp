@@ -33,25 +33,40 @@ T round_to(float v) {
 }
 
 // y = weight * (x / sqrt(mean(x^2) + eps)) with the normalized row rounded to the dtype first and
-// the product rounded again (as `weight * x.float().mul(rsqrt(...)).to(dtype)` does).
+// the product rounded again (as `weight * x.float().mul(rsqrt(...)).to(dtype)` does). The sum of
+// squares runs in 16 lanes (element j in lane j % 16, the lanes then added in order): the same
+// for a row whatever the other rows, so a tree's rows round as plain steps do.
+constexpr int64_t kNormLanes = 16;
+
+template <typename T>
+DARTREE_VEC_INLINE void rms_norm_row(const T* xr, const float* w, T* yr, int64_t h, float eps, float* row) {
+  widen(xr, row, h);
+  float lanes[kNormLanes] = {};
+  int64_t j = 0;
+  for (; j + kNormLanes <= h; j += kNormLanes)
+#pragma omp simd
+    for (int64_t l = 0; l < kNormLanes; ++l) lanes[l] += row[j + l] * row[j + l];
+  for (int64_t l = 0; j < h; ++j, ++l) lanes[l] += row[j] * row[j];
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kNormLanes; ++l) sum += lanes[l];
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
+  if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) yr[i] = w[i] * (row[i] * scale);
+  } else {
+    uint16_t* out = reinterpret_cast<uint16_t*>(yr);
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) out[i] = bf16_bits(w[i] * bf16_round(row[i] * scale));
+  }
+}
+
 template <typename T>
 void rms_norm_rows_impl(const T* x, const T* weight, T* y, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(h);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * h;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < h; ++j) {
-        row[j] = static_cast<float>(xr[j]);
-        sum += row[j] * row[j];
-      }
-      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
-      T* yr = y + r * h;
-      for (int64_t j = 0; j < h; ++j) {
-        const float normed = static_cast<float>(round_to<T>(row[j] * scale));
-        yr[j] = round_to<T>(static_cast<float>(weight[j]) * normed);
-      }
-    }
+    std::vector<float> buffer(2 * h);
+    float* w = buffer.data() + h;
+    widen(weight, w, h);
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * h, w, y + r * h, h, eps, buffer.data());
   });
 }
 
@@ -137,14 +152,37 @@ at::Tensor rotary_rows_cpu(const at::Tensor& x, const at::Tensor& positions, dou
 // A transformers model's rotate-half rotary embedding (`apply_rotary_pos_emb`) of q and k
 // [B, H, T, Dh] with its cos / sin tables [B or 1, T, Dh] (x's dtype): out = x * cos +
 // rotate_half(x) * sin, each product and the sum rounded to the dtype as those three PyTorch calls
-// round them (the same bits; the empty asm keeps the compiler from fusing a float32 product and sum).
-template <typename T>
-DARTREE_VEC_INLINE float rounded(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    asm("" : "+x"(v));  // materialized: a separate multiply and add, as PyTorch computes them
-    return v;
-  } else {
-    return static_cast<float>(round_to<T>(v));
+// round them (the same bits). float32: the products go through memory before the sums, so the
+// compiler cannot fuse a product and a sum into one rounding.
+DARTREE_VEC_INLINE void rotary_row(const float* x, const float* c, const float* n, float* y, int64_t half,
+                                   float* scratch) {
+  float* p = scratch;  // [4, half]: x1 c1, x2 s1, x2 c2, x1 s2
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    p[i] = x[i] * c[i];
+    p[half + i] = x[i + half] * n[i];
+    p[2 * half + i] = x[i + half] * c[i + half];
+    p[3 * half + i] = x[i] * n[i + half];
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    y[i] = p[i] - p[half + i];
+    y[i + half] = p[2 * half + i] + p[3 * half + i];
+  }
+}
+
+DARTREE_VEC_INLINE void rotary_row(const c10::BFloat16* xb, const c10::BFloat16* cb, const c10::BFloat16* nb,
+                                   c10::BFloat16* yb, int64_t half, float*) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xb);
+  const uint16_t* c = reinterpret_cast<const uint16_t*>(cb);
+  const uint16_t* n = reinterpret_cast<const uint16_t*>(nb);
+  uint16_t* y = reinterpret_cast<uint16_t*>(yb);
+  auto f = [](uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); };
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = f(x[i]), x2 = f(x[i + half]);
+    y[i] = bf16_bits(bf16_round(x1 * f(c[i])) - bf16_round(x2 * f(n[i])));
+    y[i + half] = bf16_bits(bf16_round(x2 * f(c[i + half])) + bf16_round(x1 * f(n[i + half])));
   }
 }
 
@@ -155,20 +193,11 @@ void rotary_tables_impl(const at::Tensor& x, const T* cs, const T* sn, int64_t t
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, batch * heads * t, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(std::is_same_v<T, float> ? 4 * half : 0);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = r % t, hd = (r / t) % heads, b = r / (t * heads);
-      const T* xr = xp + b * s0 + hd * s1 + s * s2;
       const int64_t table = ((table_batch == 1 ? 0 : b) * t + s) * dh;
-      const T* c = cs + table;
-      const T* n = sn + table;
-      T* yr = yp + r * dh;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
-        yr[i] = round_to<T>(rounded<T>(x1 * static_cast<float>(c[i])) -
-                            rounded<T>(x2 * static_cast<float>(n[i])));
-        yr[i + half] = round_to<T>(rounded<T>(x2 * static_cast<float>(c[i + half])) +
-                                   rounded<T>(x1 * static_cast<float>(n[i + half])));
-      }
+      rotary_row(xp + b * s0 + hd * s1 + s * s2, cs + table, sn + table, yp + r * dh, half, scratch.data());
     }
   });
 }
@@ -206,6 +235,56 @@ std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& q, const 
   return {qo, ko};
 }
 
+// A SwiGLU MLP's silu(gate) * up in one pass: silu rounded to the dtype, then the product rounded
+// again, as `act_fn(gate) * up` rounds (silu's exp is vexp, relative error about 1e-7: a bfloat16
+// result can differ from PyTorch's in its last bit where silu lands next to a rounding boundary).
+// Below -88, where exp(-g) leaves float32's range, silu is -0 (PyTorch: about -5e-37 down to
+// -88.7, then -0), and silu(-inf) is NaN, as PyTorch's -inf / inf.
+DARTREE_VEC_INLINE float vsilu(float g) {
+  const float s = g / (1.0f + vexp(-g));
+  return g < -88.0f ? (g == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN() : -0.0f)
+                    : s;
+}
+
+DARTREE_VEC_INLINE void silu_mul_f32_impl(const float* g, const float* u, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = vsilu(g[j]) * u[j];
+}
+DARTREE_AVX2_DISPATCH(void, silu_mul_f32, (const float* g, const float* u, float* y, int64_t n), (g, u, y, n))
+
+DARTREE_VEC_INLINE void silu_mul_bf16_impl(const uint16_t* gb, const uint16_t* ub, uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = std::bit_cast<float>(static_cast<uint32_t>(gb[j]) << 16);
+    const float u = std::bit_cast<float>(static_cast<uint32_t>(ub[j]) << 16);
+    y[j] = bf16_bits(bf16_round(vsilu(g)) * u);
+  }
+}
+DARTREE_AVX2_DISPATCH(void, silu_mul_bf16, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n),
+                      (g, u, y, n))
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  const char* op = "silu_mul";
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": gate must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(up.scalar_type() == dtype && up.sizes() == gate.sizes(), op, ": up must match gate ", gate.sizes(), " ",
+              dtype, ", got ", up.sizes(), " ", up.scalar_type());
+  check_same_device(op, "up", up, gate, "gate");
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty(g.sizes(), g.options());
+  const int64_t n = g.numel();
+  constexpr int64_t kGrain = 1 << 16;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    if (dtype == at::kFloat)
+      silu_mul_f32(g.data_ptr<float>() + begin, u.data_ptr<float>() + begin, y.data_ptr<float>() + begin, end - begin);
+    else
+      silu_mul_bf16(reinterpret_cast<const uint16_t*>(g.data_ptr<c10::BFloat16>()) + begin,
+                    reinterpret_cast<const uint16_t*>(u.data_ptr<c10::BFloat16>()) + begin,
+                    reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()) + begin, end - begin);
+  });
+  return y;
+}
+
 // The target's token at each verified node, from its logits [R, V]: the first maximum (ties to
 // the lowest id; a NaN wins, at its first place, as torch.argmax has it), or a sample of
 // softmax(logits / temperature) by the inverse CDF at uniforms[r] (float32 in [0, 1)): the first
@@ -225,6 +304,14 @@ DARTREE_VEC_INLINE float max_of_impl(const T* x, int64_t n) {
 }
 DARTREE_VEC_INLINE float max_f32_impl(const float* x, int64_t n) { return max_of_impl(x, n); }
 DARTREE_AVX2_DISPATCH(float, max_f32, (const float* x, int64_t n), (x, n))
+
+DARTREE_VEC_INLINE bool any_nan_impl(const float* x, int64_t n) {
+  int found = 0;
+#pragma omp simd reduction(| : found)
+  for (int64_t j = 0; j < n; ++j) found |= x[j] != x[j];
+  return found != 0;
+}
+DARTREE_AVX2_DISPATCH(bool, any_nan, (const float* x, int64_t n), (x, n))
 
 // out[j] = exp(scale * (x[j] - top)) (0 where that is below e^-87), returns their sum
 DARTREE_VEC_INLINE float exp_block_impl(const float* x, int64_t n, float top, float inv_t, float* out) {
@@ -248,11 +335,23 @@ void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int6
     std::vector<float> row(v), exps(v), block_sum((v + kSampleBlock - 1) / kSampleBlock);
     for (int64_t r = begin; r < end; ++r) {
       widen(logits + r * v, row.data(), v);
-      const float top = max_f32(row.data(), v);
+      const float top = max_f32(row.data(), v);  // (NaN ignored)
       int64_t first_nan = -1, best = -1;
-      for (int64_t j = 0; j < v && first_nan < 0; ++j) {
-        if (std::isnan(row[j])) first_nan = j;
-        else if (best < 0 && row[j] == top) best = j;
+      if (any_nan(row.data(), v)) {
+        for (int64_t j = 0; j < v && first_nan < 0; ++j) {
+          if (std::isnan(row[j])) first_nan = j;
+          else if (best < 0 && row[j] == top) best = j;
+        }
+      } else {  // the first block of 64 holding the maximum, then its place there
+        for (int64_t lo = 0; lo < v && best < 0; lo += kSampleBlock) {
+          const int64_t n = std::min(kSampleBlock, v - lo);
+          if (max_f32(row.data() + lo, n) == top)
+            for (int64_t j = lo; j < lo + n; ++j)
+              if (row[j] == top) {
+                best = j;
+                break;
+              }
+        }
       }
       // x / T - max / T: the max of x / T is max / T (division by T > 0 is monotone)
       const float inv_t = temperature > 0.0f ? 1.0f / temperature : 0.0f;
@@ -330,6 +429,7 @@ TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("rms_norm_rows", &rms_norm_rows_cpu);
   m.impl("rotary_rows", &rotary_rows_cpu);
   m.impl("rotary_tables", &rotary_tables_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
   m.impl("tokens_from_logits", &tokens_from_logits_cpu);
 }
 

@@ -81,6 +81,16 @@ void widen(const T* src, float* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
+// float32 -> bfloat16 bits, round to nearest even (NaN -> 0x7FC0), as c10::BFloat16 converts; a
+// branch-free form that vectorizes.
+DARTREE_VEC_INLINE uint16_t bf16_bits(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+// f rounded to bfloat16 and back (exact): the value a bfloat16 tensor op would store.
+DARTREE_VEC_INLINE float bf16_round(float f) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(f)) << 16); }
+
 // n values as float32: float rows as they are, others (16-bit) widened into `buffer` first.
 inline const float* as_float(const float* row, int64_t, float*) { return row; }
 template <typename T>
