@@ -110,10 +110,24 @@ pybind11::dict build_info() {
   return info;
 }
 
+// Every tensor of `tensors` cut to its first `length` entries along `dim` (a view; a tensor no longer
+// than that as it is), in one call: a decoder cropping the keys and values of every layer of a KV
+// cache after a round (60 tensors for a 30-layer model, where Python's slicing costs a few
+// microseconds a tensor).
+std::vector<at::Tensor> narrow_all(const std::vector<at::Tensor>& tensors, int64_t dim, int64_t length) {
+  TORCH_CHECK_VALUE(length >= 0, "narrow_all: length must be >= 0, got ", length);
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.size(dim) > length ? t.narrow(dim, 0, length) : t);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dartree_ext native ops (registered under torch.ops.dartree_ext)";
   m.def("build_info", &build_info, "How this extension was built: torch version, CUDA kernels, archs.");
+  m.def("narrow_all", &narrow_all, pybind11::arg("tensors"), pybind11::arg("dim"), pybind11::arg("length"),
+        "Every tensor cut to its first `length` entries along `dim` (views), in one call.");
 }
 #endif

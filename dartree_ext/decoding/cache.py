@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .._C import narrow_all
 
 
 def cache_layers(cache) -> list:
@@ -49,11 +50,12 @@ def crop_cache_(cache, new_length: int | None):
 
 
 def _crop_layers(cache, layers: list, new_length: int | None):
-    if new_length is not None and type(cache).__name__ != "StaticCache":
-        for layer in layers:
-            if layer.keys.shape[2] > new_length:
-                layer.keys = layer.keys[:, :, :new_length]
-                layer.values = layer.values[:, :, :new_length]
+    if new_length is not None and type(cache).__name__ != "StaticCache" \
+            and any(layer.keys.shape[2] > new_length for layer in layers):
+        # every layer's views in one native call (a Python slice costs a few microseconds a tensor)
+        cropped = narrow_all([t for layer in layers for t in (layer.keys, layer.values)], 2, new_length)
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = cropped[2 * i], cropped[2 * i + 1]
     return cache
 
 

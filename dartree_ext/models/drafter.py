@@ -174,7 +174,9 @@ class AttentionMLPLayer(nn.Module):
         attn = gqa_attention(q, keys, values, mask)
         x = residual + self.o_proj(attn.transpose(1, 2).reshape(residual.shape[0], residual.shape[1], -1))
         hm = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(hm)) * self.up_proj(hm))
+        gate, up = self.gate_proj(hm), self.up_proj(hm)
+        act = ops.silu_mul(gate, up) if _one_call(gate, up) else F.silu(gate) * up
+        return x + self.down_proj(act)
 
 
 class DrafterLayer(AttentionMLPLayer):
