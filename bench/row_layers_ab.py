@@ -7,6 +7,10 @@ paired ratio off / on, and the method's speedup over ``ar`` in each variant.
 
     python bench/row_layers_ab.py --repeats 4                 # the haiku and one prompt of each Table 1 set
     python bench/row_layers_ab.py --repeats 4 --temperature 1
+    python bench/row_layers_ab.py --forward-rows 1,8,16 --repeats 15   # the target's forward alone
+
+``--forward-rows`` times only the target's forward over n new tokens (a binary tree after a
+200-token cache, ``bench/forward_speed.py``'s tree_forward_ms), the variants alternating.
 
 Both variants use the cost model measured with the row layers on (the decoder's default set-up).
 """
@@ -30,10 +34,13 @@ def main() -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--sets", default="gsm8k,humaneval,mtbench", help="one prompt of each ('' for the haiku only)")
     parser.add_argument("--json", default=None, help="write the per-repetition times here")
+    parser.add_argument("--forward-rows", default="", help="time the target's forward alone at these row counts")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     target, tok, drafter, _, _, budget = _load_for_generate(args)
+    if args.forward_rows:
+        return forward_ab(target, [int(n) for n in args.forward_rows.split(",")], args.repeats)
     texts = [args.prompt] + [eval_prompts()[s][0].text for s in args.sets.split(",") if s]
     stops = stop_tokens(tok, target)
     prompts = [left_pad([encode_prompt(tok, t, chat=not args.no_chat)]) for t in texts]
@@ -79,6 +86,25 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"prompts": texts, "temperature": args.temperature, "method": args.method,
                        "ms_per_token": {f"{v}/{m}": t for (v, m), t in times.items()}}, f, indent=1)
+
+
+def forward_ab(target, rows: list[int], repeats: int) -> None:
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from forward_speed import tree_forward_ms
+    times = {(v, n): [] for v in ("on", "off") for n in rows}
+    for rep in range(repeats):
+        for v in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+            (use_row_layers if v == "on" else restore_row_layers)(target)
+            for n in rows:
+                times[(v, n)].append(tree_forward_ms(target, n, 200))
+    use_row_layers(target)
+    print(f"target forward after a 200-token cache, ms (median of {repeats}), row layers on / off:")
+    for n in rows:
+        on, off = times[("on", n)], times[("off", n)]
+        print(f"  {n:3d} rows: on {statistics.median(on):6.2f}  off {statistics.median(off):6.2f}  "
+              f"off / on {statistics.median([b / a for a, b in zip(on, off)]):.3f}")
 
 
 if __name__ == "__main__":
