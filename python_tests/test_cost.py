@@ -489,6 +489,32 @@ def test_crop_checks_the_cache_layers():
     assert crop_cache_(cache, 3) is cache and layer.keys.shape[2] == 3 and layer.values.shape[2] == 3
 
 
+def test_crop_gives_the_views_slicing_gives():
+    """Every layer cut in one native call (narrow_all): views of the same storage, equal to slicing;
+    layers already short enough left as they are; a negative length refused."""
+    from types import SimpleNamespace
+    from dartree_ext._C import narrow_all
+    from dartree_ext.decoding.cache import crop_cache_
+    gen = torch.Generator().manual_seed(0)
+    layers = [SimpleNamespace(keys=torch.randn(2, 3, 9, 4, generator=gen), values=torch.randn(2, 3, 9, 5, generator=gen)
+                              .bfloat16()) for _ in range(4)]
+    layers[1].keys = layers[1].keys.transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous layout
+    before = [(layer.keys, layer.values) for layer in layers]
+    crop_cache_(SimpleNamespace(layers=layers), 6)
+    for layer, (k, v) in zip(layers, before):
+        assert torch.equal(layer.keys, k[:, :, :6]) and torch.equal(layer.values, v[:, :, :6])
+        assert layer.keys.stride() == k[:, :, :6].stride() and layer.keys.data_ptr() == k.data_ptr()
+        assert layer.values._base is v or layer.values.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    same = crop_cache_(SimpleNamespace(layers=layers), 8)
+    assert all(layer.keys.shape[2] == 6 for layer in same.layers)      # shorter already: unchanged
+    t = torch.arange(10.0)
+    short = t[:3]
+    cut, kept = narrow_all([t, short], 0, 5)
+    assert torch.equal(cut, t[:5]) and kept is short and narrow_all([t], 0, 20)[0] is t
+    with pytest.raises(ValueError, match="length must be >= 0"):
+        narrow_all([t], 0, -1)
+
+
 def test_calibrator_list_paths_match_numpy_paths():
     """The decoder's per-round plain-Python paths (bins, probabilities, updates) give what the
     NumPy paths give: random scores with the bin edges themselves, -inf, NaN and depths past the
