@@ -113,8 +113,8 @@ def few_rows_max_rows(model: torch.nn.Module) -> int | None:
 
 def set_linear(model: torch.nn.Module, kind: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
     """``kind`` = ``"few_rows"`` or ``"torch"``: patch or restore ``model``'s linear layers, and with
-    them its RMSNorms and rotary embedding (:mod:`dartree_ext.row_layers`: the same per-row CPU
-    kernels for a forward's small steps)."""
+    them its RMSNorms, rotary embedding and SwiGLU activations (:mod:`dartree_ext.row_layers`: per-row
+    CPU ops for a forward's small steps)."""
     from .row_layers import restore_row_layers, use_row_layers
     if kind not in LINEAR_KINDS:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {kind!r}")

@@ -10,11 +10,12 @@ forward. :func:`use_row_layers` routes
   the architectures that copy it) through :func:`dartree_ext.ops.rms_norm_rows` (float32 math, the
   normalized row and the product rounded to the dtype where the PyTorch form rounds them; its
   float32 sum of squares runs in another order, so a value can differ in its last bit), and
-- the modeling module's ``apply_rotary_pos_emb`` (where it is Llama's) through
-  :func:`dartree_ext.ops.rotary_tables` (the same bits as the PyTorch form), and
+- the modeling module's ``apply_rotary_pos_emb`` (where its code and its module's ``rotate_half``
+  are Llama's) through :func:`dartree_ext.ops.rotary_tables` (the same values as the PyTorch
+  form, bit for bit but for a NaN's payload), and
 - every MLP whose ``forward`` is ``LlamaMLP.forward`` with SiLU: ``silu(gate) * up`` through
-  :func:`dartree_ext.ops.silu_mul` (silu's exp is a polynomial: a bfloat16 value can differ in its
-  last bit),
+  :func:`dartree_ext.ops.silu_mul` (silu's exp is a polynomial: a value can differ from PyTorch's
+  by a few units in the last place in float32, rarely by one in bfloat16),
 
 for CPU float32 / bfloat16 inputs without autograd; anything else takes the original code. Both
 ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
@@ -25,7 +26,8 @@ ops treat every row alone, so a tree's rows still round as plain steps do (batch
     restore_row_layers(target)
 
 The rotary function is replaced in the modeling module itself (it is a module-level function), so
-every model of that architecture in the process takes it; it gives the same bits as the original.
+every model of that architecture in the process takes it (it gives the original's values), and
+:func:`restore_row_layers` on any of them puts the original back for all of them.
 """
 from __future__ import annotations
 
@@ -41,9 +43,23 @@ _ORIGINAL_ROTARY: dict[str, object] = {}  # modeling module name -> its own appl
 
 
 def _same_code(a, b) -> bool:
-    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return a is not None and b is not None and a.co_code == b.co_code and a.co_consts == b.co_consts \
-        and a.co_names == b.co_names
+    """Whether functions ``a`` and ``b`` run the same code with the same arguments and defaults
+    (what they look up in their modules at call time is the caller's to check)."""
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (ca is not None and cb is not None and ca.co_code == cb.co_code and ca.co_consts == cb.co_consts
+            and ca.co_names == cb.co_names and ca.co_varnames == cb.co_varnames and ca.co_argcount == cb.co_argcount
+            and getattr(a, "__defaults__", None) == getattr(b, "__defaults__", None)
+            and getattr(a, "__kwdefaults__", None) == getattr(b, "__kwdefaults__", None))
+
+
+def _llama_rotary(fn) -> bool:
+    """Whether ``fn`` (a modeling module's ``apply_rotary_pos_emb``) computes Llama's: its code, and
+    the ``rotate_half`` its module gives it (NanoChat's and BLT's share the code but rotate
+    otherwise)."""
+    llama = _llama()
+    ref = getattr(llama.apply_rotary_pos_emb, "_dartree_original", llama.apply_rotary_pos_emb)
+    globals_ = getattr(fn, "__globals__", {})
+    return _same_code(fn, ref) and _same_code(globals_.get("rotate_half"), llama.rotate_half)
 
 
 def _llama():
@@ -122,9 +138,7 @@ def _modeling_modules(model: torch.nn.Module) -> list[types.ModuleType]:
         fn = getattr(mod, "apply_rotary_pos_emb", None)
         if fn is None:
             continue
-        original = getattr(fn, "_dartree_original", fn)
-        if _same_code(original, getattr(_llama().apply_rotary_pos_emb, "_dartree_original",
-                                        _llama().apply_rotary_pos_emb)):
+        if _llama_rotary(getattr(fn, "_dartree_original", fn)):
             found.append(mod)
     return found
 

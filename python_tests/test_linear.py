@@ -379,6 +379,12 @@ def test_cost_key_names_the_linear():
     paths = dartree_ext.build_info()["few_rows_linear"]   # a new kernel path is a new entry
     assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(key, linear="few_rows",
                                                                                     few_rows_linear=paths)
+    set_linear(target, "few_rows")                          # and the row layers with them: another entry
+    try:
+        assert costmod.cost_key(target, None, "cpu", [0, 1], [64], ["dartree"]) == dict(
+            key, linear="few_rows", few_rows_linear=paths, row_layers=True)
+    finally:
+        set_linear(target, "torch")
 
 
 def test_cost_key_names_the_drafters_linear():

@@ -191,6 +191,51 @@ def test_patch_leaves_other_norms_alone():
     assert "forward" in model[2].__dict__                                 # not removed
 
 
+def test_rotary_left_alone_where_it_rotates_otherwise(monkeypatch):
+    """A modeling module whose apply_rotary_pos_emb has Llama's code but whose rotate_half differs
+    (as NanoChat's and BLT's do) keeps its own function; so does a call with unsqueeze_dim=2."""
+    import sys
+    import types as pytypes
+    llama = _llama()
+    fake = pytypes.ModuleType("dartree_test_fake_modeling")
+
+    def rotate_half(x):  # signs the other way round
+        half = x.shape[-1] // 2
+        return torch.cat([x[..., half:], -x[..., :half]], -1)
+
+    fake.rotate_half = rotate_half
+    fake.torch = torch
+    original = _original_rotary()
+    fake.apply_rotary_pos_emb = pytypes.FunctionType(original.__code__, fake.__dict__, "apply_rotary_pos_emb",
+                                                     original.__defaults__)
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Layer(torch.nn.Module):
+        pass
+
+    Layer.__module__ = fake.__name__
+    model = torch.nn.Sequential(Layer(), llama.LlamaRMSNorm(8))
+    kept = fake.apply_rotary_pos_emb
+    try:
+        use_row_layers(model)
+        assert fake.apply_rotary_pos_emb is kept
+    finally:
+        restore_row_layers(model)
+    # Llama's own module, called with unsqueeze_dim=2 (q, k as [B, T, H, D]): transformers' code runs
+    model = tiny_target("llama", hidden=32, layers=1)
+    use_row_layers(model)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        q, k = torch.randn(1, 5, 4, 8, generator=gen), torch.randn(1, 5, 2, 8, generator=gen)
+        cos, sin = _tables(1, 5, 8, torch.float32, gen)
+        calls = _count(monkeypatch, "rotary_tables")
+        with torch.no_grad():
+            got = _llama().apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        assert not calls and all(torch.equal(g, w) for g, w in zip(got, original(q, k, cos, sin, 2)))
+    finally:
+        restore_row_layers(model)
+
+
 def test_set_linear_applies_and_restores_them():
     model = tiny_target("llama", hidden=32, layers=2)
     set_linear(model, "few_rows")

@@ -144,6 +144,11 @@ def test_one_call_greedy_is_the_first_maximum(dtype):
     nan[0, 150] = float("nan")
     nan[1, 3] = float("nan")
     assert ops.tokens_from_logits(nan, None, 0.0).tolist() == [150, 3]
+    edge = torch.full((3, 130), float("-inf"), dtype=dtype)                # all -inf: the first, as argmax
+    edge[1, 129] = float("inf")                                             # the maximum in the last, partial block
+    edge[2, 64:] = -1.0
+    edge[2, 100] = float("nan")                                             # a NaN after the maximum
+    assert ops.tokens_from_logits(edge, None, 0.0).tolist() == edge.float().argmax(-1).tolist() == [0, 129, 100]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -152,10 +152,21 @@ at::Tensor rotary_rows_cpu(const at::Tensor& x, const at::Tensor& positions, dou
 // A transformers model's rotate-half rotary embedding (`apply_rotary_pos_emb`) of q and k
 // [B, H, T, Dh] with its cos / sin tables [B or 1, T, Dh] (x's dtype): out = x * cos +
 // rotate_half(x) * sin, each product and the sum rounded to the dtype as those three PyTorch calls
-// round them (the same bits). float32: the products go through memory before the sums, so the
-// compiler cannot fuse a product and a sum into one rounding.
-DARTREE_VEC_INLINE void rotary_row(const float* x, const float* c, const float* n, float* y, int64_t half,
-                                   float* scratch) {
+// round them (the same values; a NaN's payload may differ). float32: the products are stored
+// before the sums, and contraction into fused multiply-adds (one rounding) is switched off for
+// this function (GCC's optimize attribute, clang's pragma), so no build fuses them.
+#if defined(__clang__)
+#define DARTREE_NO_FP_CONTRACT
+#elif defined(__GNUC__)
+#define DARTREE_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define DARTREE_NO_FP_CONTRACT
+#endif
+DARTREE_NO_FP_CONTRACT void rotary_row(const float* x, const float* c, const float* n, float* y, int64_t half,
+                                       float* scratch) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   float* p = scratch;  // [4, half]: x1 c1, x2 s1, x2 c2, x1 s2
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {

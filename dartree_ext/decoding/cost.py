@@ -560,6 +560,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
     from .. import __version__, build_info
     from ..attention import attention_kind
     from ..linear import linear_kind
+    from ..row_layers import row_layers_used
     few_rows = linear_kind(target) == "few_rows" or (drafter is not None and linear_kind(drafter) == "few_rows")
     param = next(target.parameters())
     dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
@@ -574,6 +575,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
         "attention": attention_kind(target),
         **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
+        **({"row_layers": True} if row_layers_used(target) else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
         **({"few_rows_linear": build_info().get("few_rows_linear")} if few_rows else {}),
     }
