@@ -170,7 +170,8 @@ def rotary_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     ``k [B, H, T, Dh]`` (CPU, float32 or bfloat16, unit stride in Dh, any other strides) with its
     ``cos`` / ``sin`` tables ``[B or 1, T, Dh]`` of the same dtype, in one call:
     ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to the dtype as the
-    PyTorch form's calls round them (the same bits). Returns contiguous tensors. No autograd."""
+    PyTorch form's calls round them (the same values; a NaN's payload may differ). Returns
+    contiguous tensors. No autograd."""
     return _ops.rotary_tables.default(q, k, cos, sin)
 
 
@@ -178,8 +179,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """A SwiGLU MLP's ``silu(gate) * up`` in one call (CPU, float32 or bfloat16, ``up`` of
     ``gate``'s shape and dtype): silu rounded to the dtype, then the product rounded, as the two
     PyTorch calls round them; silu's ``exp`` is a polynomial (relative error about 1e-7), so a
-    bfloat16 value can differ from PyTorch's in its last bit. Returns a contiguous tensor. No
-    autograd."""
+    value can differ from PyTorch's by a few units in the last place in float32, rarely by one in
+    bfloat16. Returns a contiguous tensor. No autograd."""
     return _ops.silu_mul.default(gate, up)
 
 

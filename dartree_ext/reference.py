@@ -444,7 +444,7 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
     return VATLossOutput(loss, ce_loss, vh_loss, first_reject, torch.where(valid, accept, 0.0), weights)
 
 
-# a round's per-row steps (ops.rms_norm_rows, rotary_rows, tokens_from_logits) -----------------
+# per-row steps (ops.rms_norm_rows, rotary_rows, rotary_tables, silu_mul, tokens_from_logits) ----
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps))`` in float32, the normalized row rounded to the

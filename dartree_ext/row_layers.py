@@ -9,7 +9,8 @@ forward. :func:`use_row_layers` routes
 - every RMSNorm whose ``forward`` is transformers' ``LlamaRMSNorm.forward`` (Llama, SmolLM2 and
   the architectures that copy it) through :func:`dartree_ext.ops.rms_norm_rows` (float32 math, the
   normalized row and the product rounded to the dtype where the PyTorch form rounds them; its
-  float32 sum of squares runs in another order, so a value can differ in its last bit), and
+  float32 sum of squares runs in another order, so a float32 value can differ by a few units in
+  the last place, a bfloat16 one rarely by one),
 - the modeling module's ``apply_rotary_pos_emb`` (where its code and its module's ``rotate_half``
   are Llama's) through :func:`dartree_ext.ops.rotary_tables` (the same values as the PyTorch
   form, bit for bit but for a NaN's payload), and
@@ -17,8 +18,8 @@ forward. :func:`use_row_layers` routes
   :func:`dartree_ext.ops.silu_mul` (silu's exp is a polynomial: a value can differ from PyTorch's
   by a few units in the last place in float32, rarely by one in bfloat16),
 
-for CPU float32 / bfloat16 inputs without autograd; anything else takes the original code. Both
-ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
+for CPU float32 / bfloat16 inputs without autograd (:func:`one_call`); anything else takes the
+original code. The ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
 ``few_rows_linear``). :func:`dartree_ext.linear.set_linear` with ``"few_rows"`` applies it.
 
     from dartree_ext.row_layers import use_row_layers, restore_row_layers
@@ -38,8 +39,17 @@ import torch
 
 from . import ops
 
-_FLAG = "_dartree_row_norm"
-_ORIGINAL_ROTARY: dict[str, object] = {}  # modeling module name -> its own apply_rotary_pos_emb
+_FLAG = "_dartree_row_layer"  # on a patched module: "norm" or "mlp"
+
+
+def one_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether a step runs as one per-row CPU op: ``x`` float32 / bfloat16 on the CPU, ``others``
+    of its dtype and device, and no autograd graph wanted (training keeps the PyTorch forms). The
+    drafter's steps ask this too."""
+    dtype = x.dtype
+    return (x.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32)
+            and all(t.dtype == dtype and t.is_cpu for t in others)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others))))
 
 
 def _same_code(a, b) -> bool:
@@ -85,39 +95,30 @@ def _plain_mlp(module: torch.nn.Module) -> bool:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and not torch.is_grad_enabled():
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.dtype == up.dtype == x.dtype and gate.shape == up.shape:
-            return self.down_proj(ops.silu_mul(gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
-    return type(self).forward(self, x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if one_call(gate, up) and gate.shape == up.shape:
+        return self.down_proj(ops.silu_mul(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)  # LlamaMLP.forward's own expression
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
-    dtype = x.dtype
-    if (x.is_cpu and dtype == weight.dtype and (dtype is torch.bfloat16 or dtype is torch.float32) and x.dim() >= 1
-            and x.shape[-1] == weight.shape[0] and weight.dim() == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if one_call(x, weight) and x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0]:
         return ops.rms_norm_rows(x, weight, self.variance_epsilon)
     return type(self).forward(self, x)
 
 
 def _rotary_fits(q, k, cos, sin, unsqueeze_dim) -> bool:
-    dtype = q.dtype
-    return (unsqueeze_dim == 1 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_cpu
-            and (dtype is torch.bfloat16 or dtype is torch.float32) and k.dtype == dtype and cos.dtype == dtype
-            and sin.dtype == dtype and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
-            and q.shape[-1] % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.device == q.device
-            and cos.device == q.device and sin.device == q.device
+    return (unsqueeze_dim == 1 and all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
+            and one_call(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3
+            and cos.shape == sin.shape and q.shape[-1] % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
             and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and cos.shape[0] in (1, q.shape[0])
-            and cos.shape[1] == q.shape[2] and cos.shape[2] == q.shape[3]
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
-                                                  or sin.requires_grad)))
+            and cos.shape[1] == q.shape[2] and cos.shape[2] == q.shape[3])
 
 
-def _rotary_for(module_name: str):
-    original = _ORIGINAL_ROTARY[module_name]
+def _rotary_for(original):
+    """``original`` (a modeling module's ``apply_rotary_pos_emb``) through ``ops.rotary_tables``
+    where that fits; the wrapper keeps ``original`` as ``_dartree_original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _rotary_fits(q, k, cos, sin, unsqueeze_dim):
@@ -149,17 +150,15 @@ def use_row_layers(model: torch.nn.Module) -> int:
     again is harmless."""
     count = 0
     for module in model.modules():
-        if _plain_norm(module):
-            setattr(module, _FLAG, True)
-            module.forward = types.MethodType(_norm_forward, module)
-            count += 1
-        elif _plain_mlp(module):
-            setattr(module, _FLAG, True)
-            module.forward = types.MethodType(_mlp_forward, module)
+        for kind, plain, forward in (("norm", _plain_norm, _norm_forward), ("mlp", _plain_mlp, _mlp_forward)):
+            if plain(module):
+                setattr(module, _FLAG, kind)
+                module.forward = types.MethodType(forward, module)
+                count += kind == "norm"
+                break
     for mod in _modeling_modules(model):
         if not hasattr(mod.apply_rotary_pos_emb, "_dartree_original"):
-            _ORIGINAL_ROTARY[mod.__name__] = mod.apply_rotary_pos_emb
-            mod.apply_rotary_pos_emb = _rotary_for(mod.__name__)
+            mod.apply_rotary_pos_emb = _rotary_for(mod.apply_rotary_pos_emb)
     return count
 
 
@@ -168,11 +167,12 @@ def restore_row_layers(model: torch.nn.Module) -> int:
     Returns how many norms were restored."""
     count = 0
     for module in model.modules():
-        if hasattr(module, _FLAG):
+        kind = getattr(module, _FLAG, None)
+        if kind is not None:
             delattr(module, _FLAG)
             if "forward" in module.__dict__:
                 del module.forward
-            count += not _plain_mlp(module)
+            count += kind == "norm"
     for mod in _modeling_modules(model):
         original = getattr(mod.apply_rotary_pos_emb, "_dartree_original", None)
         if original is not None:
@@ -181,5 +181,5 @@ def restore_row_layers(model: torch.nn.Module) -> int:
 
 
 def row_layers_used(model: torch.nn.Module) -> bool:
-    """Whether any of ``model``'s norms runs through :func:`dartree_ext.ops.rms_norm_rows`."""
+    """Whether any of ``model``'s layers runs through the per-row ops (:func:`use_row_layers`)."""
     return any(hasattr(m, _FLAG) for m in model.modules())

@@ -183,7 +183,7 @@ def test_patch_leaves_other_norms_alone():
     model[2].forward = lambda x: torch.zeros_like(x)
     try:
         assert use_row_layers(model) == 1
-        assert not hasattr(model[3], "_dartree_row_norm")                  # not SiLU: left alone
+        assert not row_layers_used(model[3])                               # not SiLU: left alone
         with torch.no_grad():
             assert torch.equal(model[:3](torch.randn(3, 8)), torch.zeros(3, 8))
     finally:

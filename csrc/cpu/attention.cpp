@@ -94,7 +94,7 @@ DARTREE_VEC_INLINE float widen(T x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {  // bfloat16 bits: exact
-    return std::bit_cast<float>(static_cast<uint32_t>(x) << 16);
+    return bf16_float(x);
   }
 }
 

@@ -188,12 +188,11 @@ DARTREE_VEC_INLINE void rotary_row(const c10::BFloat16* xb, const c10::BFloat16*
   const uint16_t* c = reinterpret_cast<const uint16_t*>(cb);
   const uint16_t* n = reinterpret_cast<const uint16_t*>(nb);
   uint16_t* y = reinterpret_cast<uint16_t*>(yb);
-  auto f = [](uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); };
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = f(x[i]), x2 = f(x[i + half]);
-    y[i] = bf16_bits(bf16_round(x1 * f(c[i])) - bf16_round(x2 * f(n[i])));
-    y[i + half] = bf16_bits(bf16_round(x2 * f(c[i + half])) + bf16_round(x1 * f(n[i + half])));
+    const float x1 = bf16_float(x[i]), x2 = bf16_float(x[i + half]);
+    y[i] = bf16_bits(bf16_round(x1 * bf16_float(c[i])) - bf16_round(x2 * bf16_float(n[i])));
+    y[i + half] = bf16_bits(bf16_round(x2 * bf16_float(c[i + half])) + bf16_round(x1 * bf16_float(n[i + half])));
   }
 }
 
@@ -235,15 +234,15 @@ std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& q, const 
     check_same_device(op, "cos / sin", *tbl, q, "q");
   }
   TORCH_CHECK(cc.size(0) == sc.size(0), op, ": cos ", cc.sizes(), " and sin ", sc.sizes(), " differ");
-  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
-  if (dtype == at::kFloat) {
-    rotary_tables_impl<float>(q, cc.data_ptr<float>(), sc.data_ptr<float>(), cc.size(0), qo);
-    rotary_tables_impl<float>(k, cc.data_ptr<float>(), sc.data_ptr<float>(), cc.size(0), ko);
-  } else {
-    rotary_tables_impl<c10::BFloat16>(q, cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), cc.size(0), qo);
-    rotary_tables_impl<c10::BFloat16>(k, cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), cc.size(0), ko);
-  }
-  return {qo, ko};
+  auto rotate = [&](const at::Tensor& x) {
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    if (dtype == at::kFloat)
+      rotary_tables_impl<float>(x, cc.data_ptr<float>(), sc.data_ptr<float>(), cc.size(0), y);
+    else
+      rotary_tables_impl<c10::BFloat16>(x, cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), cc.size(0), y);
+    return y;
+  };
+  return {rotate(q), rotate(k)};
 }
 
 // A SwiGLU MLP's silu(gate) * up in one pass: silu rounded to the dtype, then the product rounded
@@ -266,9 +265,7 @@ DARTREE_AVX2_DISPATCH(void, silu_mul_f32, (const float* g, const float* u, float
 DARTREE_VEC_INLINE void silu_mul_bf16_impl(const uint16_t* gb, const uint16_t* ub, uint16_t* y, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float g = std::bit_cast<float>(static_cast<uint32_t>(gb[j]) << 16);
-    const float u = std::bit_cast<float>(static_cast<uint32_t>(ub[j]) << 16);
-    y[j] = bf16_bits(bf16_round(vsilu(g)) * u);
+    y[j] = bf16_bits(bf16_round(vsilu(bf16_float(gb[j]))) * bf16_float(ub[j]));
   }
 }
 DARTREE_AVX2_DISPATCH(void, silu_mul_bf16, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n),

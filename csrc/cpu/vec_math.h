@@ -68,18 +68,8 @@ DARTREE_VEC_INLINE float vexp(float x) {
 DARTREE_VEC_INLINE float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 DARTREE_VEC_INLINE float vtanh(float x) { return 2.0f / (1.0f + vexp(-2.0f * x)) - 1.0f; }
 
-// n values as float32 into dst: float32 copied, bfloat16 by its bits (a shift: the loop
-// vectorizes), other types (float16) through their conversion.
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = std::bit_cast<float>(static_cast<uint32_t>(bits[j]) << 16);
-}
-template <typename T>
-void widen(const T* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
+// bfloat16 bits -> float32 (exact: a shift).
+DARTREE_VEC_INLINE float bf16_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 // float32 -> bfloat16 bits, round to nearest even (NaN -> 0x7FC0), as c10::BFloat16 converts; a
 // branch-free form that vectorizes.
@@ -89,7 +79,20 @@ DARTREE_VEC_INLINE uint16_t bf16_bits(float f) {
   return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 // f rounded to bfloat16 and back (exact): the value a bfloat16 tensor op would store.
-DARTREE_VEC_INLINE float bf16_round(float f) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(f)) << 16); }
+DARTREE_VEC_INLINE float bf16_round(float f) { return bf16_float(bf16_bits(f)); }
+
+// n values as float32 into dst: float32 copied, bfloat16 by its bits (a shift: the loop
+// vectorizes), other types (float16) through their conversion.
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_float(bits[j]);
+}
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
 
 // n values as float32: float rows as they are, others (16-bit) widened into `buffer` first.
 inline const float* as_float(const float* row, int64_t, float*) { return row; }

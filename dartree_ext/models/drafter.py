@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..attention import gqa_attention
+from ..row_layers import one_call
 from ..head import CorrectionHeadWeights
 from ..linear import linear_as
 
@@ -124,24 +125,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _one_call(x, self.weight):
+        if one_call(x, self.weight):
             return ops.rms_norm_rows(x, self.weight, self.eps)
         return reference.rms_norm_rows(x, self.weight, self.eps)
 
 
-def _one_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether a drafter step runs as one CPU op (:func:`dartree_ext.ops.rms_norm_rows`,
-    :func:`dartree_ext.ops.rotary_rows`): float32 / bfloat16 on the CPU, ``others`` of its dtype,
-    and no autograd graph wanted (training keeps the PyTorch form)."""
-    dtype = x.dtype
-    return (x.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32)
-            and all(t.dtype == dtype for t in others)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others))))
-
-
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half rotary embedding: ``x [B, H, T, Dh]``, ``positions int64[B, T]``."""
-    if _one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64 and positions.shape[0] in (1, x.shape[0]):
+    if one_call(x) and x.stride(-1) == 1 and positions.dtype == torch.int64 and positions.shape[0] in (1, x.shape[0]):
         return ops.rotary_rows(x, positions, theta)
     return reference.rotary_rows(x, positions, theta)
 
@@ -175,7 +166,7 @@ class AttentionMLPLayer(nn.Module):
         x = residual + self.o_proj(attn.transpose(1, 2).reshape(residual.shape[0], residual.shape[1], -1))
         hm = self.mlp_norm(x)
         gate, up = self.gate_proj(hm), self.up_proj(hm)
-        act = ops.silu_mul(gate, up) if _one_call(gate, up) else F.silu(gate) * up
+        act = ops.silu_mul(gate, up) if one_call(gate, up) else F.silu(gate) * up
         return x + self.down_proj(act)
 
 
