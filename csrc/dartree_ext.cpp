@@ -80,6 +80,7 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("rotary_rows(Tensor x, Tensor positions, float theta) -> Tensor");
   m.def("rotary_tables(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_build(Tensor gate, Tensor up, str build) -> Tensor");  // tests: one build forced
   // sampling area (CPU only: the target's token at each verified node)
   m.def("tokens_from_logits(Tensor logits, Tensor? uniforms, float temperature) -> Tensor");
 }

@@ -522,6 +522,11 @@ def _silu_mul_fake(gate, up):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("dartree_ext::silu_mul_build")  # tests: silu_mul through one build
+def _silu_mul_build_fake(gate, up, build):
+    return _silu_mul_fake(gate, up)
+
+
 @torch.library.register_fake("dartree_ext::tokens_from_logits")
 def _tokens_from_logits_fake(logits, uniforms, temperature):
     _check_same_device("tokens_from_logits", logits=logits, **({} if uniforms is None else {"uniforms": uniforms}))

@@ -106,6 +106,46 @@ def test_silu_mul_matches_pytorch(dtype):
     torch.testing.assert_close(strided, got.transpose(0, 1), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_every_build(dtype):
+    """Each build this CPU runs (AVX-512: 16 lanes; AVX2 + FMA and baseline: 8), at lengths around
+    the lane counts: against PyTorch, and AVX-512 against AVX2 bit for bit (the same FMAs a lane)."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = {}
+    for n in (1, 7, 8, 9, 15, 16, 17, 33, 1536 * 3 + 5):
+        gate = (torch.randn(n, generator=gen) * 8).to(dtype)
+        gate[::5] = -90.0  # below -88: -0
+        inputs[n] = gate, torch.randn(n, generator=gen).to(dtype)
+    ran = {}
+    for build in ("avx512", "avx2", "base"):
+        for n, (gate, up) in inputs.items():
+            try:
+                got = torch.ops.dartree_ext.silu_mul_build(gate, up, build)
+            except RuntimeError as err:
+                assert "has no" in str(err)
+                break
+            tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-30, rtol=2 ** -7)
+            torch.testing.assert_close(got, reference.silu_mul(gate, up), **tol)
+            assert torch.equal(got, ops.silu_mul(gate, up)) or build != _fastest_build()
+            ran[build, n] = got
+    assert any(b == "base" for b, _ in ran)
+    for (build, n), got in ran.items():
+        if build == "avx512" and ("avx2", n) in ran:
+            assert torch.equal(got, ran["avx2", n])
+    with pytest.raises(RuntimeError, match="build must be"):
+        torch.ops.dartree_ext.silu_mul_build(torch.randn(3), torch.randn(3), "sse9")
+
+
+def _fastest_build() -> str:
+    for build in ("avx512", "avx2"):
+        try:
+            torch.ops.dartree_ext.silu_mul_build(torch.randn(1), torch.randn(1), build)
+            return build
+        except RuntimeError:
+            pass
+    return "base"
+
+
 def test_silu_mul_bad_input_and_opcheck():
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.silu_mul(torch.randn(3).half(), torch.randn(3).half())

@@ -89,11 +89,12 @@ DARTREE_AVX2_DISPATCH(void, rows_dot,
                        const float* bias, float* out, int64_t out_stride),
                       (x, rows_x, x_stride, w, rows_w, n, bias, out, out_stride))
 
+template <int N>
 DARTREE_VEC_INLINE void silu_inplace_impl(float* v, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) v[j] = v[j] / (1.0f + vexp(-v[j]));
+  using L = Lanes<N>;
+  L::binary(v, v, v, n, [](const float* x, const float*, float* y) { L::store(y, L::silu(L::load(x))); });
 }
-DARTREE_AVX2_DISPATCH(void, silu_inplace, (float* v, int64_t n), (v, n))
+DARTREE_LANES_DISPATCH(void, silu_inplace, (float* v, int64_t n), (v, n))
 
 // The head as the CPU expansion reads it: its small matrices (w_s, w_hh, b_hh) as float32, once
 // per call, read for every parent; fc2 and gru_table stay as they are (only the K candidate rows

@@ -18,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -246,52 +247,72 @@ std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& q, const 
 }
 
 // A SwiGLU MLP's silu(gate) * up in one pass: silu rounded to the dtype, then the product rounded
-// again, as `act_fn(gate) * up` rounds (silu's exp is vexp, relative error about 1e-7: a bfloat16
-// result can differ from PyTorch's in its last bit where silu lands next to a rounding boundary).
-// Below -88, where exp(-g) leaves float32's range, silu is -0 (PyTorch: about -5e-37 down to
-// -88.7, then -0), and silu(-inf) is NaN, as PyTorch's -inf / inf.
-DARTREE_VEC_INLINE float vsilu(float g) {
-  const float s = g / (1.0f + vexp(-g));
-  return g < -88.0f ? (g == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN() : -0.0f)
-                    : s;
+// again, as `act_fn(gate) * up` rounds (Lanes::silu: its exp has relative error about 1e-7, so a
+// bfloat16 result can differ from PyTorch's in its last bit where silu lands next to a rounding
+// boundary; -0 below -88 and NaN at -inf).
+template <int N, typename T>
+DARTREE_VEC_INLINE void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
+  using L = Lanes<N>;
+  L::binary(g, u, y, n, [](const T* gn, const T* un, T* yn) {
+    typename L::F s = L::silu(L::load(gn));
+    if constexpr (std::is_same_v<T, uint16_t>) s = L::round_bf16(s);  // as act_fn(gate) stores it
+    L::store(yn, s * L::load(un));
+  });
 }
-
+template <int N>
 DARTREE_VEC_INLINE void silu_mul_f32_impl(const float* g, const float* u, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] = vsilu(g[j]) * u[j];
+  silu_mul_impl<N>(g, u, y, n);
 }
-DARTREE_AVX2_DISPATCH(void, silu_mul_f32, (const float* g, const float* u, float* y, int64_t n), (g, u, y, n))
-
-DARTREE_VEC_INLINE void silu_mul_bf16_impl(const uint16_t* gb, const uint16_t* ub, uint16_t* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    y[j] = bf16_bits(bf16_round(vsilu(bf16_float(gb[j]))) * bf16_float(ub[j]));
-  }
+template <int N>
+DARTREE_VEC_INLINE void silu_mul_bf16_impl(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
+  silu_mul_impl<N>(g, u, y, n);
 }
-DARTREE_AVX2_DISPATCH(void, silu_mul_bf16, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n),
-                      (g, u, y, n))
+DARTREE_LANES_DISPATCH(void, silu_mul_f32, (const float* g, const float* u, float* y, int64_t n), (g, u, y, n))
+DARTREE_LANES_DISPATCH(void, silu_mul_bf16, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n),
+                       (g, u, y, n))
 
-at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+// silu_mul through one build: "avx512", "avx2", "base" or "auto" (the one the CPU runs fastest).
+at::Tensor silu_mul_with(const at::Tensor& gate, const at::Tensor& up, const std::string& build) {
   const char* op = "silu_mul";
   const auto dtype = gate.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": gate must be float32 or bfloat16, got ", dtype);
   TORCH_CHECK(up.scalar_type() == dtype && up.sizes() == gate.sizes(), op, ": up must match gate ", gate.sizes(), " ",
               dtype, ", got ", up.sizes(), " ", up.scalar_type());
   check_same_device(op, "up", up, gate, "gate");
+  using F32 = void (*)(const float*, const float*, float*, int64_t);
+  using BF16 = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+  F32 f32 = &silu_mul_f32;
+  BF16 bf16 = &silu_mul_bf16;
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDACC__)
+  if (build == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), op, ": this CPU has no AVX-512 (F, BW, VL, DQ)");
+    f32 = &silu_mul_f32_avx512, bf16 = &silu_mul_bf16_avx512;
+  } else if (build == "avx2") {
+    TORCH_CHECK(cpu_has_avx2_fma(), op, ": this CPU has no AVX2 + FMA");
+    f32 = &silu_mul_f32_avx2, bf16 = &silu_mul_bf16_avx2;
+  } else if (build == "base") {
+    f32 = &silu_mul_f32_base, bf16 = &silu_mul_bf16_base;
+  } else {
+    TORCH_CHECK(build == "auto", op, ": build must be avx512, avx2, base or auto, got ", build);
+  }
+#else
+  TORCH_CHECK(build == "auto" || build == "base", op, ": this build has only its portable loop, got ", build);
+#endif
   const at::Tensor g = gate.contiguous(), u = up.contiguous();
   at::Tensor y = at::empty(g.sizes(), g.options());
   const int64_t n = g.numel();
-  constexpr int64_t kGrain = 1 << 16;
+  constexpr int64_t kGrain = 1 << 14;  // an MLP's 1536 x 12 rows on one thread, a prefill's on all
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     if (dtype == at::kFloat)
-      silu_mul_f32(g.data_ptr<float>() + begin, u.data_ptr<float>() + begin, y.data_ptr<float>() + begin, end - begin);
+      f32(g.data_ptr<float>() + begin, u.data_ptr<float>() + begin, y.data_ptr<float>() + begin, end - begin);
     else
-      silu_mul_bf16(reinterpret_cast<const uint16_t*>(g.data_ptr<c10::BFloat16>()) + begin,
-                    reinterpret_cast<const uint16_t*>(u.data_ptr<c10::BFloat16>()) + begin,
-                    reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()) + begin, end - begin);
+      bf16(reinterpret_cast<const uint16_t*>(g.data_ptr<c10::BFloat16>()) + begin,
+           reinterpret_cast<const uint16_t*>(u.data_ptr<c10::BFloat16>()) + begin,
+           reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()) + begin, end - begin);
   });
   return y;
 }
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) { return silu_mul_with(gate, up, "auto"); }
 
 // The target's token at each verified node, from its logits [R, V]: the first maximum (ties to
 // the lowest id; a NaN wins, at its first place, as torch.argmax has it), or a sample of
@@ -438,6 +459,7 @@ TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("rotary_rows", &rotary_rows_cpu);
   m.impl("rotary_tables", &rotary_tables_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("silu_mul_build", &silu_mul_with);
   m.impl("tokens_from_logits", &tokens_from_logits_cpu);
 }
 
