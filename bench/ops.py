@@ -9,7 +9,10 @@ select_top_w at P = 12 parents x K = 64 candidates -> W = 12, select_top_b on a 
 supertree (plus root) -> B = 64, and ddtree_heap with D = 16, K = 64 at budgets 64, 256, 1024.
 `--only attention` (CPU): few_rows_attention against the packed SDPA it replaces
 (`dartree_ext.attention.gqa_attention`), SmolLM2's heads (9 over 3, head dim 64), bfloat16, --past
-cached keys, --attention-rows query rows under a tree mask.
+cached keys, --attention-rows query rows under a tree mask. `--only rows` (CPU): the per-row steps
+of the target's layers (rms_norm_rows, rotary_tables, silu_mul, the greedy tokens_from_logits) at
+SmolLM2's shapes in bfloat16 against their PyTorch forms, at --row-counts rows (1: a plain step,
+9: a tree, 37: the main command's prefill), and silu_mul through each build the CPU runs.
 
 Prints a markdown table: median time per call of ours and of the reference, the ratio, and the
 size of the op's output (plus peak allocated memory on CUDA).
@@ -192,8 +195,45 @@ def attention_cases(past: int, rows: list[int]):
                lambda q=q, k=k, v=v, m=mask: gqa_attention(q, k, v, m))
 
 
+def row_cases(row_counts: list[int]):
+    """The target's per-row steps at SmolLM2's shapes (hidden 576, 9 query / 3 key-value heads of
+    64, MLP 1536, vocabulary 49152), bfloat16, against the PyTorch forms they replace; silu_mul
+    also through each build this CPU runs (``silu_mul_build``: AVX-512, AVX2, baseline)."""
+    gen = torch.Generator().manual_seed(0)
+    builds = []
+    for build in ("avx512", "avx2", "base"):
+        try:
+            torch.ops.dartree_ext.silu_mul_build(torch.ones(1), torch.ones(1), build)
+            builds.append(build)
+        except (RuntimeError, AttributeError):  # not this CPU, or a build without the op
+            pass
+    for t in row_counts:
+        x = torch.randn(1, t, 576, generator=gen).bfloat16()
+        w = torch.randn(576, generator=gen).bfloat16()
+        yield "rms_norm_rows vs PyTorch's RMSNorm", f"T={t} h=576", (lambda x=x, w=w: ops.rms_norm_rows(x, w, 1e-5),
+                                                                    lambda x=x, w=w: reference.rms_norm_rows(x, w, 1e-5))
+        q = torch.randn(1, 9, t, 64, generator=gen).bfloat16()
+        k = torch.randn(1, 3, t, 64, generator=gen).bfloat16()
+        ang = torch.arange(t)[None, :, None] * torch.logspace(0, -4, 64)[None, None]
+        cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+        yield "rotary_tables vs apply_rotary_pos_emb", f"T={t} 9+3 heads", (
+            lambda q=q, k=k, c=cos, s_=sin: ops.rotary_tables(q, k, c, s_),
+            lambda q=q, k=k, c=cos, s_=sin: reference.rotary_tables(q, k, c, s_))
+        gate, up = (torch.randn(1, t, 1536, generator=gen).bfloat16() for _ in range(2))
+        yield "silu_mul vs silu(gate) * up", f"T={t} 1536", (lambda g=gate, u=up: ops.silu_mul(g, u),
+                                                             lambda g=gate, u=up: reference.silu_mul(g, u))
+        for build in builds:
+            yield f"silu_mul ({build} build) vs silu(gate) * up", f"T={t} 1536", (
+                lambda g=gate, u=up, b=build: torch.ops.dartree_ext.silu_mul_build(g, u, b),
+                lambda g=gate, u=up: reference.silu_mul(g, u))
+        logits = torch.randn(t, 49152, generator=gen).bfloat16()
+        yield "tokens_from_logits (greedy) vs argmax", f"T={t} V=49152", (
+            lambda z=logits: ops.tokens_from_logits(z, None, 0.0), lambda z=logits: reference.tokens_from_logits(z, None, 0.0))
+
+
 def run(devices: list[str], batches: list[int], nodes: list[int], past: int, select_batches: list[int],
-        heap_budgets: list[int], only: str | None, attention_rows: list[int] = (1, 9, 17, 33)) -> list[Row]:
+        heap_budgets: list[int], only: str | None, attention_rows: list[int] = (1, 9, 17, 33),
+        row_counts: list[int] = (1, 9, 37)) -> list[Row]:
     rows = []
     for dev_name in devices:
         device = torch.device(dev_name)
@@ -201,6 +241,11 @@ def run(devices: list[str], batches: list[int], nodes: list[int], past: int, sel
             if device.type == "cpu":
                 for name, shape, ours, ref in attention_cases(past, attention_rows):
                     rows.append(measure(name, shape, 1, dev_name, ours, ref, atol=2e-2))
+            continue
+        if only == "rows":
+            if device.type == "cpu":
+                for name, shape, (ours, ref) in row_cases(row_counts):
+                    rows.append(measure(name, shape, 1, dev_name, ours, ref, atol=0.07))
             continue
         if only in (None, "select"):
             for batch in select_batches:
@@ -235,15 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=256, help="cached positions in the attention mask")
     parser.add_argument("--select-batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--heap-budget", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--only", choices=["tree", "select", "attention"], default=None)
+    parser.add_argument("--only", choices=["tree", "select", "attention", "rows"], default=None)
     parser.add_argument("--attention-rows", type=int, nargs="+", default=[1, 9, 17, 33])
+    parser.add_argument("--row-counts", type=int, nargs="+", default=[1, 9, 37], help="--only rows: rows per call")
     args = parser.parse_args(argv)
     info = dartree_ext.build_info()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dartree_ext CUDA kernels: {info['cuda']}")
     if "cuda" in args.device:
         print(f"GPU: {torch.cuda.get_device_name()}")
     print(format_table(run(args.device, args.batch, args.nodes, args.past, args.select_batch, args.heap_budget,
-                           args.only, args.attention_rows)))
+                           args.only, args.attention_rows, args.row_counts)))
     return 0
 
 
