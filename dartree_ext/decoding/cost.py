@@ -35,13 +35,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 9  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 10  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
 # timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
 # each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum);
 # 7: the points of all contexts timed in a new random order each repetition (not in ascending order);
 # 8: attention over few rows by the row-invariant CPU kernel (ops.few_rows_attention);
-# 9: few_rows also runs the RMSNorms, rotary embedding and SwiGLU through the per-row ops (dartree_ext.row_layers)
+# 9: few_rows also runs the RMSNorms, rotary embedding and SwiGLU through the per-row ops (dartree_ext.row_layers);
+# 10: silu_mul on vector selects (an AVX-512 build; no denormal arm): a row's activation 3-5x cheaper
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
