@@ -88,6 +88,7 @@ TORCH_LIBRARY(dartree_ext, m) {
 #ifdef DARTREE_PYTHON_MODULE
 namespace dartree {
 std::string few_rows_linear_path_name(const std::string& dtype);  // csrc/cpu/linear.cpp
+std::string vector_build_name();                                   // csrc/cpu/rows.cpp
 }
 
 namespace {
@@ -108,6 +109,7 @@ pybind11::dict build_info() {
   linear["float32"] = dartree::few_rows_linear_path_name("float32");
   linear["bfloat16"] = dartree::few_rows_linear_path_name("bfloat16");
   info["few_rows_linear"] = linear;
+  info["vector_build"] = dartree::vector_build_name();  // the row ops' lanes: avx512, avx2 or base
   return info;
 }
 

@@ -16,7 +16,8 @@ forward. :func:`use_row_layers` routes
   form, bit for bit but for a NaN's payload), and
 - every MLP whose ``forward`` is ``LlamaMLP.forward`` with SiLU: ``silu(gate) * up`` through
   :func:`dartree_ext.ops.silu_mul` (silu's exp is a polynomial: a value can differ from PyTorch's
-  by a few units in the last place in float32, rarely by one in bfloat16),
+  by a few units in the last place in float32, rarely by one in bfloat16) where the op runs a
+  vector build (AVX2 + FMA or AVX-512: ``build_info()["vector_build"]``),
 
 for CPU float32 / bfloat16 inputs without autograd (:func:`one_call`); anything else takes the
 original code. The ops treat every row alone, so a tree's rows still round as plain steps do (batch invariance, as
@@ -38,6 +39,7 @@ import types
 import torch
 
 from . import ops
+from ._C import build_info
 
 _FLAG = "_dartree_row_layer"  # on a patched module: "norm" or "mlp"
 
@@ -144,13 +146,26 @@ def _modeling_modules(model: torch.nn.Module) -> list[types.ModuleType]:
     return found
 
 
+def vector_silu() -> bool:
+    """Whether ``silu_mul`` runs a vector build here (AVX2 + FMA or AVX-512). Its baseline x86-64
+    build (two SSE registers a vector, no FMA) is several times slower than PyTorch's activation
+    (``bench/ops.py --only rows``), so without one the MLPs (and the drafter's) keep PyTorch's."""
+    return _VECTOR_SILU
+
+
+_VECTOR_SILU = build_info().get("vector_build", "base") != "base"
+
+
 def use_row_layers(model: torch.nn.Module) -> int:
     """Route ``model``'s Llama-style RMSNorms, rotary embedding and SwiGLU activations through the
     per-row CPU ops (see the module's docstring). Returns how many norms were patched; calling it
     again is harmless."""
     count = 0
+    kinds = [("norm", _plain_norm, _norm_forward)]
+    if vector_silu():
+        kinds.append(("mlp", _plain_mlp, _mlp_forward))
     for module in model.modules():
-        for kind, plain, forward in (("norm", _plain_norm, _norm_forward), ("mlp", _plain_mlp, _mlp_forward)):
+        for kind, plain, forward in kinds:
             if plain(module):
                 setattr(module, _FLAG, kind)
                 module.forward = types.MethodType(forward, module)

@@ -309,3 +309,20 @@ def test_bfloat16_decoding_equals_plain_decoding_through_them(method, monkeypatc
         assert torch.equal(out.sequences, ar.sequences)
     finally:
         set_linear(model, "torch")
+
+
+def test_mlps_keep_their_code_without_a_vector_silu(monkeypatch):
+    """On a CPU where silu_mul would run its baseline build (no AVX2 + FMA), the MLPs are left alone
+    (that build is slower than PyTorch's activation); the norms are still patched."""
+    from dartree_ext import row_layers
+    assert row_layers.build_info()["vector_build"] in ("avx512", "avx2", "base")
+    model = tiny_target("llama", hidden=32, layers=2)
+    monkeypatch.setattr(row_layers, "vector_silu", lambda: False)
+    assert row_layers.use_row_layers(model) > 0
+    kinds = {getattr(m, "_dartree_row_layer", None) for m in model.modules()}
+    assert "norm" in kinds and "mlp" not in kinds
+    row_layers.restore_row_layers(model)
+    monkeypatch.setattr(row_layers, "vector_silu", lambda: True)
+    row_layers.use_row_layers(model)
+    assert "mlp" in {getattr(m, "_dartree_row_layer", None) for m in model.modules()}
+    row_layers.restore_row_layers(model)

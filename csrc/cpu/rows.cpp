@@ -454,6 +454,12 @@ at::Tensor tokens_from_logits_cpu(const at::Tensor& logits, const std::optional<
 
 }  // namespace
 
+// Which build of the N-lane row ops (silu_mul) runs on this CPU: "avx512", "avx2" or "base"
+// (build_info()["vector_build"]).
+std::string vector_build_name() {
+  return cpu_has_avx512() ? "avx512" : cpu_has_avx2_fma() ? "avx2" : "base";
+}
+
 TORCH_LIBRARY_IMPL(dartree_ext, CPU, m) {
   m.impl("rms_norm_rows", &rms_norm_rows_cpu);
   m.impl("rotary_rows", &rotary_rows_cpu);
