@@ -73,8 +73,7 @@ DARTREE_VEC_INLINE float vexp(float x) {
 // for all lanes; silu's x / (1 + e^88) is then a denormal result for every ordinary x (microcode
 // assists: a 5-7x slower loop on AMD Zen 4). A vector select has no arms to copy.
 // (Each is inlined, so GCC's note that a wide vector changes the baseline build's call ABI does not
-// apply.)
-#pragma GCC diagnostic ignored "-Wpsabi"
+// apply: -Wno-psabi in compile_flags.txt.)
 // (The vector types are spelled out per N: GCC drops vector_size with a size that depends on a
 // template parameter.)
 template <int N>
@@ -100,7 +99,7 @@ struct Lanes {
   using U = typename LaneTypes<N>::U;
   using H = typename LaneTypes<N>::H;
 
-  DARTREE_VEC_INLINE static F splat(float v) { return F{} + v; }
+  DARTREE_VEC_INLINE static F splat(float v) { return v - F{}; }  // (v - 0 keeps -0; 0 + v would not)
   DARTREE_VEC_INLINE static F load(const float* p) {
     F v;
     std::memcpy(&v, p, sizeof(v));

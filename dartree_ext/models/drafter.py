@@ -23,7 +23,8 @@ from torch import nn
 
 from .. import ops, reference
 from ..attention import gqa_attention
-from ..row_layers import one_call, vector_silu
+from .. import row_layers
+from ..row_layers import one_call
 from ..head import CorrectionHeadWeights
 from ..linear import linear_as
 
@@ -166,7 +167,7 @@ class AttentionMLPLayer(nn.Module):
         x = residual + self.o_proj(attn.transpose(1, 2).reshape(residual.shape[0], residual.shape[1], -1))
         hm = self.mlp_norm(x)
         gate, up = self.gate_proj(hm), self.up_proj(hm)
-        act = ops.silu_mul(gate, up) if vector_silu() and one_call(gate, up) else F.silu(gate) * up
+        act = ops.silu_mul(gate, up) if row_layers.vector_silu() and one_call(gate, up) else F.silu(gate) * up
         return x + self.down_proj(act)
 
 
