@@ -64,14 +64,31 @@ def _same_code(a, b) -> bool:
             and getattr(a, "__kwdefaults__", None) == getattr(b, "__kwdefaults__", None))
 
 
+def _as_written(fn):
+    """A modeling module's function as its source defines it. With the ``kernels`` package
+    (transformers 5.25 on), ``@use_kernel_forward_from_hub`` turns ``apply_rotary_pos_emb`` into an
+    ``nn.Module`` (kernels' ``Func``) whose ``forward`` calls the function, closed over as ``func``:
+    that function, while the wrapper's class ``forward`` is its own (not kernelized); ``None`` for
+    any other module."""
+    if not isinstance(fn, torch.nn.Module):
+        return fn
+    forward = type(fn).__dict__.get("forward")
+    if type(fn).__name__ != "Func" or "forward" in fn.__dict__ or not isinstance(forward, types.FunctionType):
+        return None
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    inner = cells["func"].cell_contents if "func" in cells else None
+    return inner if isinstance(inner, types.FunctionType) else None
+
+
 def _llama_rotary(fn) -> bool:
     """Whether ``fn`` (a modeling module's ``apply_rotary_pos_emb``) computes Llama's: its code, and
     the ``rotate_half`` its module gives it (NanoChat's and BLT's share the code but rotate
     otherwise)."""
     llama = _llama()
-    ref = getattr(llama.apply_rotary_pos_emb, "_dartree_original", llama.apply_rotary_pos_emb)
+    fn = _as_written(fn)
+    ref = _as_written(getattr(llama.apply_rotary_pos_emb, "_dartree_original", llama.apply_rotary_pos_emb))
     globals_ = getattr(fn, "__globals__", {})
-    return _same_code(fn, ref) and _same_code(globals_.get("rotate_half"), llama.rotate_half)
+    return fn is not None and _same_code(fn, ref) and _same_code(globals_.get("rotate_half"), llama.rotate_half)
 
 
 def _llama():

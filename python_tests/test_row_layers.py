@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dartree_ext import ops, reference
+from dartree_ext import ops, reference, row_layers
 from dartree_ext.decoding import left_pad
 from dartree_ext.decoding.decoder import SpeculativeDecoder
 from dartree_ext.linear import set_linear
@@ -257,8 +257,9 @@ def test_rotary_left_alone_where_it_rotates_otherwise(monkeypatch):
     fake.rotate_half = rotate_half
     fake.torch = torch
     original = _original_rotary()
-    fake.apply_rotary_pos_emb = pytypes.FunctionType(original.__code__, fake.__dict__, "apply_rotary_pos_emb",
-                                                     original.__defaults__)
+    written = row_layers._as_written(original)  # (transformers 5.25 with kernels: inside a Func module)
+    fake.apply_rotary_pos_emb = pytypes.FunctionType(written.__code__, fake.__dict__, "apply_rotary_pos_emb",
+                                                     written.__defaults__)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
 
     class Layer(torch.nn.Module):
@@ -285,6 +286,27 @@ def test_rotary_left_alone_where_it_rotates_otherwise(monkeypatch):
         assert not calls and all(torch.equal(g, w) for g, w in zip(got, original(q, k, cos, sin, 2)))
     finally:
         restore_row_layers(model)
+
+
+def test_rotary_inside_a_kernels_func_module():
+    """transformers 5.25 with the kernels package exposes apply_rotary_pos_emb as a kernels ``Func``
+    module calling the function it closes over: that function is what is compared; a Func whose
+    forward was replaced (kernelized), or another module, is not Llama's."""
+    fn = row_layers._as_written(_original_rotary())
+
+    def make(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+        return Func()
+
+    wrapped = make(fn)
+    assert row_layers._as_written(wrapped) is fn and row_layers._llama_rotary(wrapped)
+    kernelized = make(fn)
+    kernelized.forward = lambda *a, **k: None
+    assert row_layers._as_written(kernelized) is None and not row_layers._llama_rotary(kernelized)
+    assert row_layers._as_written(torch.nn.Identity()) is None
+    assert not row_layers._llama_rotary(make(lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)))
 
 
 def test_set_linear_applies_and_restores_them():
