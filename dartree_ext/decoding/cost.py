@@ -555,6 +555,16 @@ def model_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(cfg.encode()).hexdigest()[:16]
 
 
+def _transformers_version() -> str:
+    """The installed transformers' version ("" without it): its modeling code is part of every
+    forward a curve times (transformers 5.25 wraps the rotary embedding in a module, for one)."""
+    try:
+        import transformers
+    except ImportError:
+        return ""
+    return transformers.__version__
+
+
 def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: torch.device | str,
              nodes: Sequence[int], contexts: Sequence[int], methods: Sequence[str]) -> dict:
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
@@ -570,6 +580,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         else None
     return {
         "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
+        "transformers": _transformers_version(),
         "model": model_digest(target), "drafter": hashlib.sha256(dcfg.encode()).hexdigest()[:16],
         "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
