@@ -259,17 +259,9 @@ DARTREE_VEC_INLINE void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
     L::store(yn, s * L::load(un));
   });
 }
-template <int N>
-DARTREE_VEC_INLINE void silu_mul_f32_impl(const float* g, const float* u, float* y, int64_t n) {
-  silu_mul_impl<N>(g, u, y, n);
-}
-template <int N>
-DARTREE_VEC_INLINE void silu_mul_bf16_impl(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
-  silu_mul_impl<N>(g, u, y, n);
-}
-DARTREE_LANES_DISPATCH(void, silu_mul_f32, (const float* g, const float* u, float* y, int64_t n), (g, u, y, n))
-DARTREE_LANES_DISPATCH(void, silu_mul_bf16, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n),
-                       (g, u, y, n))
+// (one name, two overloads: float32 and bfloat16 bits)
+DARTREE_LANES_DISPATCH(void, silu_mul, (const float* g, const float* u, float* y, int64_t n), (g, u, y, n))
+DARTREE_LANES_DISPATCH(void, silu_mul, (const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n), (g, u, y, n))
 
 // silu_mul through one build: "avx512", "avx2", "base" or "auto" (the one the CPU runs fastest).
 at::Tensor silu_mul_with(const at::Tensor& gate, const at::Tensor& up, const std::string& build) {
@@ -281,17 +273,17 @@ at::Tensor silu_mul_with(const at::Tensor& gate, const at::Tensor& up, const std
   check_same_device(op, "up", up, gate, "gate");
   using F32 = void (*)(const float*, const float*, float*, int64_t);
   using BF16 = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
-  F32 f32 = &silu_mul_f32;
-  BF16 bf16 = &silu_mul_bf16;
+  F32 f32 = &silu_mul;
+  BF16 bf16 = &silu_mul;
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDACC__)
   if (build == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), op, ": this CPU has no AVX-512 (F, BW, VL, DQ)");
-    f32 = &silu_mul_f32_avx512, bf16 = &silu_mul_bf16_avx512;
+    f32 = &silu_mul_avx512, bf16 = &silu_mul_avx512;
   } else if (build == "avx2") {
     TORCH_CHECK(cpu_has_avx2_fma(), op, ": this CPU has no AVX2 + FMA");
-    f32 = &silu_mul_f32_avx2, bf16 = &silu_mul_bf16_avx2;
+    f32 = &silu_mul_avx2, bf16 = &silu_mul_avx2;
   } else if (build == "base") {
-    f32 = &silu_mul_f32_base, bf16 = &silu_mul_bf16_base;
+    f32 = &silu_mul_base, bf16 = &silu_mul_base;
   } else {
     TORCH_CHECK(build == "auto", op, ": build must be avx512, avx2, base or auto, got ", build);
   }

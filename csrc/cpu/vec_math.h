@@ -49,21 +49,35 @@ inline bool cpu_has_avx2_fma() {
 // Round-to-nearest range reduction x = n ln2 + r with a two-part ln2, Cephes' degree-6 polynomial
 // for e^r, 2^n built in the exponent bits. Relative error about 1.2e-7 over the clamped range
 // [-87, 88] (tested against torch); below -87 it returns e^-87 (about 1.6e-38), never 0, so callers
-// that need exp(-inf) = 0 select it themselves.
-DARTREE_VEC_INLINE float vexp(float x) {
-  x = x < -87.0f ? -87.0f : x;  // (not std::min / max: GCC may leave those calls in a clone's loop)
-  x = x > 88.0f ? 88.0f : x;    // NaN passes through both
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23: rounds to nearest
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// that need exp(-inf) = 0 select it themselves. exp_power and exp_reduced are the steps that do
+// not depend on the type: vexp (a float) and Lanes<N>::exp (a GCC vector) share them.
+template <typename V>
+DARTREE_VEC_INLINE V exp_power(V x) {  // n = x / ln2 rounded to the nearest integer, as a float
+  return (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23: rounds to nearest
+}
+template <typename V>
+DARTREE_VEC_INLINE V exp_reduced(V x, V n) {  // e^r for r = x - n ln2
+  const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+DARTREE_VEC_INLINE float vexp(float x) {
+  x = x < -87.0f ? -87.0f : x;  // (not std::min / max: GCC may leave those calls in a clone's loop)
+  x = x > 88.0f ? 88.0f : x;    // NaN passes through both
+  const float n = exp_power(x);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * std::bit_cast<float>(bits);
+  return exp_reduced(x, n) * std::bit_cast<float>(bits);
+}
+
+// float32 bits -> bfloat16 bits (the upper 16 of the result), round to nearest even, for a
+// uint32_t or a GCC vector of them (a NaN is the caller's to handle).
+template <typename U>
+DARTREE_VEC_INLINE U bf16_nearest_even(U u) {
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
 // The same exp on N lanes at once (Lanes<N>), written as GCC vectors: N = 8 is one AVX2 register in
@@ -114,34 +128,20 @@ struct Lanes {
     return (F)(__builtin_convertvector(h, U) << 16);  // (a vector cast reinterprets the bits)
   }
   DARTREE_VEC_INLINE static void store(uint16_t* p, F f) {
-    const U u = (U)f;
-    U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    rounded = f != f ? U{} + 0x7FC0u : rounded;
-    const H h = __builtin_convertvector(rounded, H);
+    const U bits = f != f ? U{} + 0x7FC0u : bf16_nearest_even((U)f);
+    const H h = __builtin_convertvector(bits, H);
     std::memcpy(p, &h, sizeof(h));
   }
 
   // f rounded to bfloat16 and back (bf16_round on N lanes; a NaN stays a NaN).
-  DARTREE_VEC_INLINE static F round_bf16(F f) {
-    const U u = (U)f;
-    const F rounded = (F)(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
-    return f != f ? f : rounded;
-  }
+  DARTREE_VEC_INLINE static F round_bf16(F f) { return f != f ? f : (F)(bf16_nearest_even((U)f) << 16); }
 
-  DARTREE_VEC_INLINE static F exp(F x) {
+  DARTREE_VEC_INLINE static F exp(F x) {  // vexp on N lanes
     x = x < -87.0f ? splat(-87.0f) : x;  // NaN passes through both
     x = x > 88.0f ? splat(88.0f) : x;
-    const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const F r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    F p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const F y = p * r * r + r + 1.0f;
+    const F n = exp_power(x);
     const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-    return y * (F)bits;
+    return exp_reduced(x, n) * (F)bits;
   }
   // silu(g) = g / (1 + e^-g); -0 below -88 (where e^-g leaves float32's range; PyTorch: about
   // -5e-37 down to -88.7, then -0), NaN at -inf (PyTorch: -inf / inf).
@@ -206,8 +206,7 @@ DARTREE_VEC_INLINE float bf16_float(uint16_t bits) { return std::bit_cast<float>
 // float32 -> bfloat16 bits, round to nearest even (NaN -> 0x7FC0), as c10::BFloat16 converts; a
 // branch-free form that vectorizes.
 DARTREE_VEC_INLINE uint16_t bf16_bits(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t rounded = bf16_nearest_even(std::bit_cast<uint32_t>(f));
   return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 // f rounded to bfloat16 and back (exact): the value a bfloat16 tensor op would store.
