@@ -169,58 +169,77 @@ def _count_forward_tokens(target, monkeypatch) -> list[int]:
     return calls
 
 
-def test_measured_curve_points_come_in_a_new_random_order_each_pass(cache_dir, monkeypatch):
-    """Every point of every context, in a new random order each repetition: a forward slowed by the
-    one before it (here: any forward right after the largest tree) cannot inflate the same point in
-    every repetition, as the ascending order did (it inflated the plain step, the curve's first
-    point, and the pooled fit then flattened the curve's start)."""
+def test_measured_curve_times_each_size_in_pairs_with_a_plain_step(cache_dir, monkeypatch):
+    """Each pass times every (context, n > 0) point once, as a pair: the plain step and the tree
+    back to back, the order alternating; the points in a new random order each pass (a slow spell
+    of the machine, or a forward slowed by the one before it, falls on different points)."""
     target = tiny_target("llama")
     nodes, contexts, reps = [0, 1, 2, 4, 8], [8, 16], 4
     calls = _count_forward_tokens(target, monkeypatch)
 
-    class Timer:  # 10 ms + 1 ms a node, 30 ms more right after the largest tree
-        def __init__(self, device):
-            self.after_big = False
-
-        def __call__(self, fn):
-            fn()
-            n = calls[-1] - 1
-            ms = 10.0 + n + (30.0 if self.after_big else 0.0)
-            self.after_big = n == max(nodes)
-            return ms
-
-    monkeypatch.setattr(costmod, "_Timer", Timer)
-    cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
-    timed = [n - 1 for n in calls][-(reps + 1) * len(nodes) * len(contexts):]
-    passes = [timed[i * len(nodes) * len(contexts):(i + 1) * len(nodes) * len(contexts)] for i in range(reps + 1)]
-    assert all(sorted(p) == sorted(n for n in nodes for _ in contexts) for p in passes)  # each point once a pass
-    assert len({tuple(p) for p in passes}) == reps + 1 and passes[0] != sorted(passes[0])  # shuffled each pass
-    for curve in cost.verify_ms:
-        assert curve == pytest.approx([10.0 + n for n in nodes])
-
-
-def test_measured_curve_keeps_the_fastest_repetition_and_pools_noise(cache_dir, monkeypatch):
-    """Each point is the fastest of its repetitions (noise only adds time), and a point that is still
-    slow is pooled with its neighbours, not carried up the rest of the curve."""
-    target = tiny_target("llama")
-    plan = {0: [10.0, 14.0, 10.0], 1: [15.0, 11.0, 19.0], 2: [10.5, 10.6, 30.0], 4: [12.0, 12.0, 12.0]}
-    calls = _count_forward_tokens(target, monkeypatch)
-
-    class Timer:  # each point's first forward is the untimed warm-up (99), then its repetitions in turn
+    class Timer:  # 10 ms + 1 ms a node
         def __init__(self, device):
             pass
 
         def __call__(self, fn):
             fn()
-            n = calls[-1] - 1
-            seen = calls.count(n + 1) - 1
-            return 99.0 if seen == 0 else plan[n][seen - 1]
+            return 10.0 + calls[-1] - 1
 
     monkeypatch.setattr(costmod, "_Timer", Timer)
-    cost = costmod.measure_cost_model(target, None, nodes=[0, 1, 2, 4], contexts=[8], reps=3)
+    cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
+    per_pass = 2 * (len(nodes) - 1) * len(contexts)
+    timed = [n - 1 for n in calls][-(reps + 1) * per_pass:]
+    passes = [timed[i * per_pass:(i + 1) * per_pass] for i in range(reps + 1)]
+    for p in passes:
+        pairs = [tuple(p[i:i + 2]) for i in range(0, per_pass, 2)]
+        assert all(0 in pair and sum(pair) > 0 for pair in pairs)  # a plain step and a tree
+        assert sorted(sum(pair) for pair in pairs) == sorted(n for n in nodes[1:] for _ in contexts)
+        assert {pair[0] == 0 for pair in pairs} == {True, False}  # both orders
+    trees = [[sum(p[i:i + 2]) for i in range(0, per_pass, 2)] for p in passes]
+    assert len({tuple(t) for t in trees}) == reps + 1  # shuffled each pass
+    for curve in cost.verify_ms:
+        assert curve == pytest.approx([10.0 + n for n in nodes])
+    assert cost.meta["fit"] == "paired"
+
+
+def test_paired_fit_cancels_a_drifting_machine_and_a_stall():
+    """A slow spell slows both forwards of a pair (drift up to 12 ms against 1 ms a node) and a stall
+    one forward: the paired fit recovers the curve's shape exactly; the fastest of each point on its
+    own does not (this data is what made it build oversized trees)."""
+    nodes = [0, 1, 2, 4, 8]
+    drift = {1: [9.0, 12.0, 3.0, 7.0, 10.0], 2: [0.5, 8.0, 6.0, 11.0, 9.0], 4: [4.0, 2.0, 12.0, 8.0, 7.0],
+             8: [5.0, 10.0, 1.0, 9.0, 3.0]}
+    pairs = {n: [(10.0 + d, 10.0 + d + n) for d in ds] for n, ds in drift.items()}
+    pairs[4][1] = (pairs[4][1][0], pairs[4][1][1] + 40.0)  # a stall on one tree forward
+    pairs[2][3] = (pairs[2][3][0] + 40.0, pairs[2][3][1])  # ... and on one plain step
+    curve = costmod.fit_curve(nodes, pairs)
+    assert [c - curve[0] for c in curve] == pytest.approx([float(n) for n in nodes])
+    assert curve[0] == pytest.approx(10.5)  # the plain step's fastest time
+    fastest = costmod.fit_curve(nodes, pairs, "fastest")
+    assert [c - fastest[0] for c in fastest] != pytest.approx([float(n) for n in nodes], abs=0.5)
+
+
+def test_fastest_fit_keeps_the_fastest_repetition_and_pools_noise():
+    """``fit="fastest"``: each point is the fastest of its repetitions (noise only adds time), and a
+    point that is still slow is pooled with its neighbours, not carried up the rest of the curve."""
+    plan = {1: [15.0, 11.0, 19.0], 2: [10.5, 10.6, 30.0], 4: [12.0, 12.0, 12.0]}
+    plains = [10.0, 14.0, 10.2]
+    pairs = {n: list(zip(plains, ts)) for n, ts in plan.items()}
     # fastest: 10, 11, 10.5, 12 -> 11 and 10.5 pooled; the median with a running maximum
     # would give 10, 15, 15, 15
-    assert cost.verify_ms[0] == pytest.approx([10.0, 10.75, 10.75, 12.0])
+    assert costmod.fit_curve([0, 1, 2, 4], pairs, "fastest") == pytest.approx([10.0, 10.75, 10.75, 12.0])
+
+
+def test_fit_curve_rejects_bad_input(cache_dir):
+    pairs = {1: [(10.0, 11.0)], 2: [(10.0, 12.0)]}
+    with pytest.raises(ValueError, match="fit must be one of"):
+        costmod.fit_curve([0, 1, 2], pairs, "mean")
+    with pytest.raises(ValueError, match="pairs for every other node"):
+        costmod.fit_curve([0, 1, 2, 4], pairs)
+    with pytest.raises(ValueError, match="starting at 0"):
+        costmod.fit_curve([1, 2], pairs)
+    with pytest.raises(ValueError, match="fit must be one of"):
+        costmod.measure_cost_model(tiny_target("llama"), None, nodes=[0, 1], contexts=[8], reps=1, fit="mean")
 
 
 # the calibrator ---------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ maximises the ratio; ``n = 0`` is a plain decoding step (no draft: ``1 / t_verif
 
 * :class:`CostModel`: the measured (or user-given) costs. ``verify_ms[i][j]`` is the target
   forward over ``nodes[j] + 1`` tokens after a cache of ``contexts[i]`` tokens;
-  :func:`measure_cost_model` times it on the machine at hand (repetitions over all points in a
-  new random order each, the fastest of each point, then a non-decreasing least-squares fit;
-  CUDA events on a GPU) and
+  :func:`measure_cost_model` times it on the machine at hand (each tree size back to back with a
+  plain step, repeated over all points in a new random order each pass; the plain step's fastest
+  time plus the median of each size's differences, fitted non-decreasing by least squares; CUDA
+  events on a GPU) and
   :func:`cached_cost_model` keeps it on disk, keyed by everything that changes it (model
   config, dtype, device model, threads, torch and library versions).
 * :class:`AcceptanceCalibrator`: P(node accepted | its tree score), per score bin, learned online
@@ -35,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 10  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 11  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
 # timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
 # each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum);
@@ -43,10 +44,12 @@ COST_MODEL_VERSION = 10  # 2: set-ups with few_rows_linear; 3: its bf16 kernel w
 # 8: attention over few rows by the row-invariant CPU kernel (ops.few_rows_attention);
 # 9: few_rows also runs the RMSNorms, rotary embedding and SwiGLU through the per-row ops (dartree_ext.row_layers);
 # 10: silu_mul on vector selects (an AVX-512 build; no denormal arm): a row's activation 3-5x cheaper
+# 11: each tree size timed in pairs with a plain step, the median of the differences (fit_curve)
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (64, 512)
+CURVE_FITS = ("paired", "fastest")  # see fit_curve
 MAX_SKIP_ROUNDS = 16  # the longest run of plain steps between two drafts after losing ones
 
 
@@ -627,9 +630,11 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size)
 
 
-def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int], contexts: list[int], reps: int,
-                   progress: bool, timer: _Timer, gen: torch.Generator) -> list[list[float]]:
-    """The target forward's ms over root + n nodes, per context length (see :func:`measure_cost_model`)."""
+def _curve_samples(target: torch.nn.Module, need_hidden: bool, nodes: list[int], contexts: list[int], reps: int,
+                   progress: bool, timer: _Timer, gen: torch.Generator) -> list[dict[int, list[tuple[float, float]]]]:
+    """Per context: ``{n: [(plain ms, tree ms), ...]}``, ``reps`` pairs for each ``n > 0`` in ``nodes``:
+    the target forward over the root alone and over root + ``n`` nodes, timed back to back (see
+    :func:`measure_cost_model`)."""
     from transformers import DynamicCache
 
     from .. import ops
@@ -637,10 +642,11 @@ def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
     device, dtype = param.device, param.dtype
     vocab = _vocab_size(target)
     cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    points = [(c, n) for c in range(len(contexts)) for n in nodes if n > 0]
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(contexts) * len(nodes) * (reps + 1), desc="cost model: target", unit="fwd")
+        bar = tqdm(total=len(points) * (reps + 1) * 2, desc="cost model: target", unit="fwd")
     caches, pasts = [], []
     for ctx in contexts:
         cache = DynamicCache(config=target.config)
@@ -649,35 +655,66 @@ def _verify_curves(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
             target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         caches.append(cache)
         pasts.append(torch.ones(1, ctx, dtype=torch.bool, device=device))
-    points = [(c, n) for c in range(len(contexts)) for n in nodes]
-    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+
+    def time_point(c: int, n: int) -> float:
+        ctx, cache = contexts[c], caches[c]
+        parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
+        mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
+                                       pasts[c], dtype)
+        ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
+        pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
+
+        def fwd():
+            target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                   output_hidden_states=need_hidden, **{cache_kw: cache})
+
+        ms = timer(fwd)
+        _drop_last(cache, n + 1)
+        if bar is not None:
+            bar.update(1)
+        return ms
+
+    pairs: list[dict[int, list[tuple[float, float]]]] = [{n: [] for n in nodes if n > 0} for _ in contexts]
     for rep in range(reps + 1):  # the first pass warms up
-        # every point of every context in a new random order each pass: a slow spell of the machine,
-        # or a forward slowed by the one before it, falls on different points each time
-        for i in torch.randperm(len(points), generator=gen).tolist():
+        # every point of every context in a new random order each pass (a slow spell of the machine,
+        # or a forward slowed by the one before it, falls on different points each time), each point
+        # a plain step and the tree back to back, which goes first alternating: the machine's speed
+        # drifts by more than a few nodes cost, and alike over both forwards of a pair
+        for k, i in enumerate(torch.randperm(len(points), generator=gen).tolist()):
             c, n = points[i]
-            ctx, cache = contexts[c], caches[c]
-            parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
-            mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
-                                           pasts[c], dtype)
-            ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
-            pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
-
-            def fwd():
-                target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                       output_hidden_states=need_hidden, **{cache_kw: cache})
-
-            ms = timer(fwd)
-            _drop_last(cache, n + 1)
+            if (rep + k) % 2:
+                plain = time_point(c, 0)
+                tree = time_point(c, n)
+            else:
+                tree = time_point(c, n)
+                plain = time_point(c, 0)
             if rep:
-                samples[points[i]].append(ms)
-            if bar is not None:
-                bar.update(1)
+                pairs[c][n].append((plain, tree))
     if bar is not None:
         bar.close()
-    # noise on a shared machine only adds time: the fastest repetition of each point, then the
-    # non-decreasing fit (a noisy point is pooled with its neighbours, not carried up the curve)
-    return [isotonic([min(samples[c, n]) for n in nodes]) for c in range(len(contexts))]
+    return pairs
+
+
+def fit_curve(nodes: Sequence[int], pairs: Mapping[int, Sequence[tuple[float, float]]],
+              fit: str = "paired") -> list[float]:
+    """A verification curve over ``nodes`` (``nodes[0] == 0``) from :func:`_curve_samples`'s pairs.
+
+    * ``"paired"``: the plain step's fastest repetition, plus for each ``n`` the median of its
+      pairs' differences (a stall inflates one forward of a pair, a slow minute both), fitted
+      non-decreasing (:func:`isotonic`);
+    * ``"fastest"``: the fastest repetition of each point on its own (noise only adds time), fitted
+      non-decreasing; the plain step's over every pair, so with more samples than each size (its
+      differences lean high)."""
+    if fit not in CURVE_FITS:
+        raise ValueError(f"cost model: fit must be one of {CURVE_FITS}, got {fit!r}")
+    if not nodes or nodes[0] != 0 or any(not pairs.get(n) for n in nodes[1:]):
+        raise ValueError(f"cost model: need nodes starting at 0 and pairs for every other node, got {list(nodes)}")
+    plains = [p for n in nodes[1:] for p, _ in pairs[n]]
+    if fit == "fastest":
+        return isotonic([min(plains)] + [min(t for _, t in pairs[n]) for n in nodes[1:]])
+    base = min(plains)
+    extra = isotonic([0.0] + [statistics.median(t - p for p, t in pairs[n]) for n in nodes[1:]])
+    return [base + max(e, 0.0) for e in extra]
 
 
 def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: list[int], methods: Sequence[str],
@@ -718,16 +755,20 @@ def _drafter_times(target: torch.nn.Module, drafter: torch.nn.Module, contexts: 
 @torch.no_grad()
 def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
                        methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
-                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, progress: bool = False,
-                       tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
+                       contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 10, progress: bool = False,
+                       tree_builders: Mapping[str, TreeBuilder] | None = None, fit: str = "paired") -> CostModel:
     """Time this machine: the target forward over root + ``n`` nodes (an additive tree mask, a
     cache of each context length, hidden states out, as a decoding round runs it), the drafter
     pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
     vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
     at ``max(nodes)`` nodes; methods without a builder get no tree time). Each repetition times
     every (context, nodes) point once, in a new random order (the machine's speed drifts, and a
-    forward can slow the next), and the fastest of each point is kept (noise only adds
-    time); the curve is then fitted non-decreasing (:func:`isotonic`)."""
+    forward can slow the next), as a pair: the plain step and the tree back to back, the order
+    alternating. ``fit`` (:func:`fit_curve`) makes the curve of the pairs: ``"paired"`` (the
+    default) adds the median of each size's differences to the plain step's fastest time, so a
+    slow minute, which slows both forwards of a pair, does not move it; ``"fastest"`` keeps the
+    fastest time of each point on its own. Either is fitted non-decreasing (:func:`isotonic`).
+    ``bench/cost_curve.py`` compares the fits over repeated measurements."""
     from ..models.eagle3 import Eagle3Drafter
 
     if isinstance(drafter, Eagle3Drafter):
@@ -737,11 +778,15 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     device, dtype = param.device, param.dtype
     timer = _Timer(device)
     gen = torch.Generator().manual_seed(0)
-    verify = _verify_curves(target, drafter is not None, nodes, contexts, reps, progress, timer, gen)
+    if fit not in CURVE_FITS:
+        raise ValueError(f"cost model: fit must be one of {CURVE_FITS}, got {fit!r}")
+    pairs = _curve_samples(target, drafter is not None, nodes, contexts, reps, progress, timer, gen)
+    verify = [fit_curve(nodes, p, fit) for p in pairs]
     draft_ms, tree_ms = 0.0, {}
     if drafter is not None:
         draft_ms, tree_ms = _drafter_times(target, drafter, contexts, methods, tree_builders, reps, timer, gen)
     meta = {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "reps": reps,
+            "fit": fit,
             "threads": torch.get_num_threads() if device.type == "cpu" else 0, "torch": torch.__version__,
             "bf16_native": cpu_bf16_native() if device.type == "cpu" else None,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -750,7 +795,7 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
 
 def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None = None,
                       methods: Sequence[str] = ("dartree",), nodes: Sequence[int] = DEFAULT_NODES,
-                      contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 5, refresh: bool = False,
+                      contexts: Sequence[int] = DEFAULT_CONTEXTS, reps: int = 10, refresh: bool = False,
                       progress: bool = False, tree_builders: Mapping[str, TreeBuilder] | None = None) -> CostModel:
     """:func:`measure_cost_model`, measured once per key (:func:`cost_key`) and kept in
     ``$DARTREE_CACHE/cost/`` (default ``~/.cache/dartree_ext/cost``); ``refresh=True`` re-measures."""

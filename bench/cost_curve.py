@@ -1,0 +1,132 @@
+"""How repeatable the measured cost model is, and what its noise costs: the target's verification
+curve sampled --runs times (the target set up as `dartree-generate` sets it up; each run --reps
+pairs of a plain step and a tree, back to back, for every size), each fit applied to groups of
+--groups pairs as the decoder's measurement would see them, and for each fitted curve the tree
+size the chooser picks for a measured acceptance profile. The reference: the `paired` fit of
+every pair of every run pooled. The loss: how much slower, in tokens per ms under the reference,
+the chosen size is than the reference's best.
+
+    python bench/cost_curve.py                                      # 3 runs of 20 pairs a size
+    python bench/cost_curve.py --json bench/results/<cpu>/cost_curve.json
+
+Fits: `paired` and `fastest` (`dartree_ext.decoding.cost.fit_curve`), and `spline` (a candidate
+kept here: the paired medians least-squares fitted to a linear spline with knots 0, 1, 16, 32, 64).
+
+The profile PROFILE: E[accepted] of the best n nodes, the mean over the rounds of two greedy
+decodes of the main command's haiku with the shipped drafter (`dartree`, SmolLM2-135M bf16,
+AMD EPYC Zen 4); the drafter pass plus tree at --drafted-ms and the bookkeeping at
+--overhead-ms (what the decoder measured there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from dartree_ext.cli import _load_for_generate, build_generate_parser
+from dartree_ext.decoding.cost import CostModel, _curve_samples, _Timer, choose_size, fit_curve
+
+PROFILE = (0.0, 0.385, 0.555, 0.676, 0.756, 0.822, 0.87, 0.908, 0.945, 0.979, 1.013, 1.044, 1.074, 1.103, 1.129,
+           1.153, 1.173)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def spline_fit(nodes, pairs, knots=(0, 1, 16, 32, 64)):
+    """The paired medians least-squares fitted to a linear spline over ``knots``, then isotonic."""
+    import numpy as np
+    from dartree_ext.decoding.cost import isotonic
+    xs = list(nodes[1:])
+    ys = [statistics.median(t - p for p, t in pairs[n]) for n in xs]
+    ks = [k for k in knots if k <= max(nodes)]
+    basis = np.array([np.interp(x, ks, np.eye(len(ks))[j]) for x in [0] + xs for j in range(len(ks))])
+    basis = basis.reshape(len(xs) + 1, len(ks))
+    w = np.zeros(len(ks))
+    w[1:] = np.linalg.lstsq(basis[1:, 1:], np.array(ys), rcond=None)[0]
+    extra = isotonic(list(basis @ w))
+    base = min(p for n in xs for p, _ in pairs[n])
+    return [base + max(e, 0.0) for e in extra]
+
+
+def main() -> None:
+    parser = build_generate_parser()
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--runs", type=int, default=3, help="measurements (each --reps pairs a size)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--groups", default="5,10", help="pairs a size per fit")
+    parser.add_argument("--context", type=int, default=64, help="the context of the curve")
+    parser.add_argument("--drafted-ms", type=float, default=3.0)
+    parser.add_argument("--overhead-ms", type=float, default=1.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    target, _, _, dtype, _, _ = _load_for_generate(args)
+    nodes = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    fits = {"fastest": lambda nd, pr: fit_curve(nd, pr, "fastest"),
+            "paired": lambda nd, pr: fit_curve(nd, pr, "paired"), "spline": spline_fit}
+    raw = []
+    with torch.no_grad():
+        for r in range(args.runs):
+            start = time.perf_counter()
+            raw.append(_curve_samples(target, True, nodes, [args.context], args.reps, False,
+                                      _Timer(torch.device("cpu")), torch.Generator().manual_seed(r))[0])
+            print(f"run {r}: {args.reps} pairs a size in {time.perf_counter() - start:.1f} s", flush=True)
+
+    def model(curve):
+        return CostModel(nodes=nodes, contexts=[args.context], verify_ms=[curve])
+
+    def chosen(cost):
+        return choose_size(PROFILE, cost, context=args.context, overhead_ms=args.overhead_ms,
+                           drafted_ms=args.drafted_ms)[0]
+
+    def rate(cost, n):  # tokens per ms of a round of n nodes under ``cost``
+        fixed = args.overhead_ms + (args.drafted_ms if n else 0.0)
+        return (1 + PROFILE[n]) / (fixed + cost.verify(n, args.context))
+
+    pooled = {n: [p for run in raw for p in run[n]] for n in nodes[1:]}
+    ref = model(fit_curve(nodes, pooled, "paired"))
+    best = max(range(len(PROFILE)), key=lambda n: rate(ref, n))
+    ref_extra = [round(ref.verify(s, args.context) - ref.verify(0, args.context), 2) for s in SIZES]
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, {str(dtype).replace('torch.', '')}, context "
+          f"{args.context}; reference ({args.runs} x {args.reps} pairs a size): plain {ref.verify(0, args.context):.2f} "
+          f"ms, extra ms at n = {', '.join(map(str, SIZES))}: {ref_extra}; best n = {best}")
+    print("| fit | pairs a size | extra ms at n = 4 / 8 / 16: mean (max - min) | chosen n | mean loss | worst loss |")
+    print("|---|---|---|---|---|---|")
+    table = []
+    for group in [int(g) for g in args.groups.split(",")]:
+        for name, fn in fits.items():
+            picks, extras = [], {s: [] for s in (4, 8, 16)}
+            for run in raw:
+                for g in range(args.reps // group):
+                    cost = model(fn(nodes, {n: v[g * group:(g + 1) * group] for n, v in run.items()}))
+                    picks.append(chosen(cost))
+                    for s in extras:
+                        extras[s].append(cost.verify(s, args.context) - cost.verify(0, args.context))
+            losses = [1 - rate(ref, n) / rate(ref, best) for n in picks]
+            cells = " / ".join(f"{statistics.mean(v):.2f} ({max(v) - min(v):.2f})" for v in extras.values())
+            print(f"| {name} | {group} | {cells} | {', '.join(map(str, picks))} | {statistics.mean(losses):.1%} | "
+                  f"{max(losses):.1%} |")
+            table.append({"fit": name, "pairs": group, "chosen": picks, "mean_loss": statistics.mean(losses),
+                          "worst_loss": max(losses), "extra_ms": extras})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype),
+                       "context": args.context, "reps": args.reps, "profile": PROFILE, "drafted_ms": args.drafted_ms,
+                       "overhead_ms": args.overhead_ms, "reference_best": best, "reference_extra_ms": ref_extra,
+                       "table": table, "pairs": [{str(n): v for n, v in run.items()} for run in raw]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
