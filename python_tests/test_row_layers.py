@@ -155,6 +155,11 @@ def test_silu_mul_bad_input_and_opcheck():
     with pytest.raises(RuntimeError, match="up must match"):
         ops.silu_mul(torch.randn(3), torch.randn(3).bfloat16())
     torch.library.opcheck(torch.ops.dartree_ext.silu_mul.default, (torch.randn(2, 5, 8), torch.randn(2, 5, 8)))
+    # the test-only entry through one build: the portable loop runs on every CPU
+    torch.library.opcheck(torch.ops.dartree_ext.silu_mul_build.default,
+                          (torch.randn(2, 5, 8), torch.randn(2, 5, 8), "base"))
+    torch.library.opcheck(torch.ops.dartree_ext.silu_mul_build.default,
+                          (torch.randn(3, 17).bfloat16(), torch.randn(3, 17).bfloat16(), "base"))
 
 
 def _count(monkeypatch, name):
