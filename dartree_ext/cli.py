@@ -409,7 +409,8 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--nodes", default=None, help="comma-separated tree sizes (default 0,1,2,...,64)")
     parser.add_argument("--contexts", default=None, help="comma-separated cache lengths (default 64,512)")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=None,
+                        help="pairs (plain step, tree) timed per tree size (default: as the decoder measures)")
     parser.add_argument("--refresh", action="store_true", help="re-measure even when cached")
     parser.add_argument("--json", default=None, help="also write the cost model here")
     parser.add_argument("--plot", default=None, help="write a PNG of the curves here (needs matplotlib)")
@@ -451,7 +452,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target).to(device=args.device)
     builders = {m: SpeculativeDecoder(loaded.target, drafter, m, budget=max(1, max(nodes))).build_tree
                 for m in methods if m != "ar"}
-    kw = dict(methods=methods, nodes=nodes, contexts=contexts, reps=args.reps, progress=True, tree_builders=builders)
+    kw = dict(methods=methods, nodes=nodes, contexts=contexts, progress=True, tree_builders=builders,
+              **({} if args.reps is None else {"reps": args.reps}))
     if args.target == "smollm2-arch":  # random weights: never cache under a real model's key
         cost = measure_cost_model(loaded.target, drafter, **kw)
     else:

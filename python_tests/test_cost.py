@@ -170,42 +170,69 @@ def _count_forward_tokens(target, monkeypatch) -> list[int]:
 
 
 def test_measured_curve_times_each_size_in_pairs_with_a_plain_step(cache_dir, monkeypatch):
-    """Each pass times every (context, n > 0) point once, as a pair: the plain step and the tree
-    back to back, the order alternating; the points in a new random order each pass (a slow spell
-    of the machine, or a forward slowed by the one before it, falls on different points)."""
+    """Each pass times every n > 0 once, as a pair: the plain step and the tree back to back, which
+    goes first flipping from pass to pass for each size; the sizes in a new random order each pass
+    (a slow spell, or a forward slowed by the one before it, falls on different sizes). The warm-up
+    pass is not kept, and a drift common to both forwards of a pair does not reach the curve."""
     target = tiny_target("llama")
-    nodes, contexts, reps = [0, 1, 2, 4, 8], [8, 16], 4
+    nodes, contexts, reps = [0, 1, 2, 4, 8], [8], 4
     calls = _count_forward_tokens(target, monkeypatch)
+    per_pass = 2 * (len(nodes) - 1)
 
-    class Timer:  # 10 ms + 1 ms a node
+    class Timer:  # 10 ms + 1 ms a node, + a drift of 0-12 ms per pair, + 50 ms in the warm-up pass
         def __init__(self, device):
-            pass
+            self.count = 0
 
         def __call__(self, fn):
             fn()
-            return 10.0 + calls[-1] - 1
+            self.count += 1
+            pair = (self.count - 1) // 2
+            return 10.0 + (calls[-1] - 1) + (pair * 7) % 13 + (50.0 if self.count <= per_pass else 0.0)
 
     monkeypatch.setattr(costmod, "_Timer", Timer)
     cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
-    per_pass = 2 * (len(nodes) - 1) * len(contexts)
     timed = [n - 1 for n in calls][-(reps + 1) * per_pass:]
     passes = [timed[i * per_pass:(i + 1) * per_pass] for i in range(reps + 1)]
+    first = {}  # per size, which forward of its pair came first, pass by pass
     for p in passes:
         pairs = [tuple(p[i:i + 2]) for i in range(0, per_pass, 2)]
         assert all(0 in pair and sum(pair) > 0 for pair in pairs)  # a plain step and a tree
-        assert sorted(sum(pair) for pair in pairs) == sorted(n for n in nodes[1:] for _ in contexts)
-        assert {pair[0] == 0 for pair in pairs} == {True, False}  # both orders
+        assert sorted(sum(pair) for pair in pairs) == nodes[1:]
+        for pair in pairs:
+            first.setdefault(sum(pair), []).append(pair[0] == 0)
+    assert all(order == [order[0], not order[0]] * 2 + [order[0]] for order in first.values())
     trees = [[sum(p[i:i + 2]) for i in range(0, per_pass, 2)] for p in passes]
     assert len({tuple(t) for t in trees}) == reps + 1  # shuffled each pass
-    for curve in cost.verify_ms:
-        assert curve == pytest.approx([10.0 + n for n in nodes])
+    curve = cost.verify_ms[0]
+    assert [c - curve[0] for c in curve] == pytest.approx([float(n) for n in nodes])
+    assert 10.0 <= curve[0] < 23.0  # the plain step's fastest: never the warm-up pass's
     assert cost.meta["fit"] == "paired"
+
+
+def test_curve_samples_keep_reps_pairs_per_size_and_context(cache_dir, monkeypatch):
+    target = tiny_target("llama")
+
+    class Timer:
+        def __init__(self, device):
+            self.count = 0
+
+        def __call__(self, fn):
+            fn()
+            self.count += 1
+            return float(self.count)  # 1, 2, 3, ...: a pair's two forwards are consecutive
+
+    pairs = costmod._curve_samples(target, False, [0, 1, 3], [4, 8], 3, False, Timer(None), torch.Generator())
+    assert len(pairs) == 2 and all(sorted(p) == [1, 3] for p in pairs)
+    for per_context in pairs:
+        for samples in per_context.values():
+            assert len(samples) == 3
+            assert all(abs(tree - plain) == 1 and min(tree, plain) > 8 for plain, tree in samples)  # no warm-up
 
 
 def test_paired_fit_cancels_a_drifting_machine_and_a_stall():
     """A slow spell slows both forwards of a pair (drift up to 12 ms against 1 ms a node) and a stall
     one forward: the paired fit recovers the curve's shape exactly; the fastest of each point on its
-    own does not (this data is what made it build oversized trees)."""
+    own does not."""
     nodes = [0, 1, 2, 4, 8]
     drift = {1: [9.0, 12.0, 3.0, 7.0, 10.0], 2: [0.5, 8.0, 6.0, 11.0, 9.0], 4: [4.0, 2.0, 12.0, 8.0, 7.0],
              8: [5.0, 10.0, 1.0, 9.0, 3.0]}
@@ -230,16 +257,23 @@ def test_fastest_fit_keeps_the_fastest_repetition_and_pools_noise():
     assert costmod.fit_curve([0, 1, 2, 4], pairs, "fastest") == pytest.approx([10.0, 10.75, 10.75, 12.0])
 
 
-def test_fit_curve_rejects_bad_input(cache_dir):
+def test_fit_curve_rejects_bad_input():
     pairs = {1: [(10.0, 11.0)], 2: [(10.0, 12.0)]}
     with pytest.raises(ValueError, match="fit must be one of"):
         costmod.fit_curve([0, 1, 2], pairs, "mean")
-    with pytest.raises(ValueError, match="pairs for every other node"):
+    with pytest.raises(ValueError, match=r"no pairs timed for tree sizes \[4\]"):
         costmod.fit_curve([0, 1, 2, 4], pairs)
     with pytest.raises(ValueError, match="starting at 0"):
         costmod.fit_curve([1, 2], pairs)
+    with pytest.raises(ValueError, match="starting at 0"):
+        costmod.fit_curve([0], {})
+    target = tiny_target("llama")
     with pytest.raises(ValueError, match="fit must be one of"):
-        costmod.measure_cost_model(tiny_target("llama"), None, nodes=[0, 1], contexts=[8], reps=1, fit="mean")
+        costmod.measure_cost_model(target, None, nodes=[0, 1], contexts=[8], reps=1, fit="mean")
+    with pytest.raises(ValueError, match="tree size besides 0"):
+        costmod.measure_cost_model(target, None, nodes=[0], contexts=[8], reps=1)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        costmod.measure_cost_model(target, None, nodes=[0, 2], contexts=[8], reps=0)
 
 
 # the calibrator ---------------------------------------------------------------------------------

@@ -678,11 +678,11 @@ def _curve_samples(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
     for rep in range(reps + 1):  # the first pass warms up
         # every point of every context in a new random order each pass (a slow spell of the machine,
         # or a forward slowed by the one before it, falls on different points each time), each point
-        # a plain step and the tree back to back, which goes first alternating: the machine's speed
-        # drifts by more than a few nodes cost, and alike over both forwards of a pair
-        for k, i in enumerate(torch.randperm(len(points), generator=gen).tolist()):
+        # a plain step and the tree back to back, which goes first flipping from pass to pass: the
+        # machine's speed drifts by more than a few nodes cost, and alike over both forwards of a pair
+        for i in torch.randperm(len(points), generator=gen).tolist():
             c, n = points[i]
-            if (rep + k) % 2:
+            if (rep + i) % 2:  # each point's order flips from pass to pass; half the points each way a pass
                 plain = time_point(c, 0)
                 tree = time_point(c, n)
             else:
@@ -707,8 +707,11 @@ def fit_curve(nodes: Sequence[int], pairs: Mapping[int, Sequence[tuple[float, fl
       differences lean high)."""
     if fit not in CURVE_FITS:
         raise ValueError(f"cost model: fit must be one of {CURVE_FITS}, got {fit!r}")
-    if not nodes or nodes[0] != 0 or any(not pairs.get(n) for n in nodes[1:]):
-        raise ValueError(f"cost model: need nodes starting at 0 and pairs for every other node, got {list(nodes)}")
+    if len(nodes) < 2 or nodes[0] != 0:
+        raise ValueError(f"cost model: need nodes starting at 0 with a tree size after it, got {list(nodes)}")
+    missing = [n for n in nodes[1:] if not pairs.get(n)]
+    if missing:
+        raise ValueError(f"cost model: no pairs timed for tree sizes {missing}")
     plains = [p for n in nodes[1:] for p, _ in pairs[n]]
     if fit == "fastest":
         return isotonic([min(plains)] + [min(t for _, t in pairs[n]) for n in nodes[1:]])
@@ -762,9 +765,9 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     pass and each method's tree construction: ``tree_builders[method](hidden, base_logits, root,
     vocab)`` (a :meth:`SpeculativeDecoder.build_tree <dartree_ext.decoding.SpeculativeDecoder.build_tree>`
     at ``max(nodes)`` nodes; methods without a builder get no tree time). Each repetition times
-    every (context, nodes) point once, in a new random order (the machine's speed drifts, and a
-    forward can slow the next), as a pair: the plain step and the tree back to back, the order
-    alternating. ``fit`` (:func:`fit_curve`) makes the curve of the pairs: ``"paired"`` (the
+    every (context, n > 0) point once, in a new random order (the machine's speed drifts, and a
+    forward can slow the next), as a pair: the plain step and the tree back to back, which goes
+    first flipping from one repetition to the next. ``fit`` (:func:`fit_curve`) makes the curve of the pairs: ``"paired"`` (the
     default) adds the median of each size's differences to the plain step's fastest time, so a
     slow minute, which slows both forwards of a pair, does not move it; ``"fastest"`` keeps the
     fastest time of each point on its own. Either is fitted non-decreasing (:func:`isotonic`).
@@ -780,6 +783,9 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     gen = torch.Generator().manual_seed(0)
     if fit not in CURVE_FITS:
         raise ValueError(f"cost model: fit must be one of {CURVE_FITS}, got {fit!r}")
+    if len(nodes) < 2 or reps < 1:
+        raise ValueError(f"cost model: need a tree size besides 0 (each is timed against a plain step) and reps >= 1, "
+                         f"got nodes {nodes} and reps {reps}")
     pairs = _curve_samples(target, drafter is not None, nodes, contexts, reps, progress, timer, gen)
     verify = [fit_curve(nodes, p, fit) for p in pairs]
     draft_ms, tree_ms = 0.0, {}
