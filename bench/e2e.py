@@ -57,6 +57,7 @@ class Params:
                                            # eagle3_vh stops at the true first rejection (T = 0, ar's outputs)
     estimator: str = "score"            # budget="auto": node acceptance from "score", "adaptive" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
+    sampled_draft: int = 0              # chain at T > 0: draw each depth's token from the drafter, speculative sampling
     # the target's attention: "kernel" (dartree_ext.attention: the row-invariant CPU kernel, else
     # packed SDPA), "packed" (packed SDPA only) or "sdpa" (transformers' own)
     attention: str = "kernel"
@@ -99,7 +100,8 @@ class Runner:
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
                                       depth_bonus=params.depth_bonus,
                                       early_exit=oracle_stop_rule([]) if self.oracle_exit else params.early_exit,
-                                      estimator=params.estimator, lookup=params.lookup if method != "ar" else None)
+                                      estimator=params.estimator, lookup=params.lookup if method != "ar" else None,
+                                      **({"sampled_draft": True} if params.sampled_draft else {}))
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
         self.seconds = self.tokens = self.rounds = self.accepted = 0

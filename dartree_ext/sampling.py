@@ -24,6 +24,19 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 ARGMAX_BLOCKS = (256, 128, 64)  # _first_argmax: block sizes tried, largest first
 
 
+def _warped_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """``logits / temperature`` with ``top_k`` then ``top_p`` applied (HF's order): a contiguous
+    float32 copy (never the caller's tensor), which the callers work on in place."""
+    scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if temperature != 1.0:
+        scaled.div_(temperature)
+    if top_k is not None:
+        scaled = _filter_top_k(scaled, top_k)
+    if top_p is not None and top_p < 1.0:
+        scaled = _filter_top_p(scaled, top_p)
+    return scaled
+
+
 def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's maximum, the lowest on ties (torch.argmax's answer), for CPU
     float32 (or float64) logits. Reductions with indices do not vectorise over the reduced dimension on a CPU,
@@ -74,14 +87,7 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
         # the same uniforms as below, one call for the rest (ops.tokens_from_logits)
         u = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device)
         return ops.tokens_from_logits(logits, u.float(), temperature)  # (the default dtype may differ)
-    # a contiguous float32 copy (never the caller's tensor): the steps below work in place on it
-    scaled = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    if temperature != 1.0:
-        scaled.div_(temperature)
-    if top_k is not None:
-        scaled = _filter_top_k(scaled, top_k)
-    if top_p is not None and top_p < 1.0:
-        scaled = _filter_top_p(scaled, top_p)
+    scaled = _warped_logits(logits, temperature, top_k, top_p)
     # inverse-CDF sampling: one uniform per row, scaled to the row's total, against the
     # cumulative unnormalised probabilities exp(x - max). The same distribution as
     # torch.multinomial, and fast on a CPU over a 49k vocabulary (a tree samples at every node,
@@ -92,3 +98,49 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
     torch.cumsum(cdf, -1, out=cdf)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)[..., 0]
+
+
+def warped_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                 top_p: float | None = None) -> torch.Tensor:
+    """``softmax(logits / temperature)`` restricted by ``top_k`` and ``top_p`` (the distribution
+    :func:`target_tokens_from_logits` samples at ``temperature > 0``), float32 ``[..., V]``."""
+    if not temperature > 0:
+        raise ValueError(f"warped_probs needs temperature > 0, got {temperature}")
+    return torch.softmax(_warped_logits(logits, temperature, top_k, top_p), -1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of non-negative weights ``probs [..., V]`` (any positive total):
+    ``int64[...]``, by inverse CDF (never a token of weight 0)."""
+    cdf = torch.cumsum(probs.float(), -1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)[..., 0]
+
+
+def speculative_tokens(logits: torch.Tensor, child: torch.Tensor, q: torch.Tensor, temperature: float,
+                       top_k: int | None = None, top_p: float | None = None,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """The token after each node when each node has at most one drafted child drawn from a known
+    distribution (speculative sampling): ``int64[B, N]`` from the target's ``logits [B, N, V]``,
+    ``child int64[B, N]`` (each node's drafted child token, -1 for none) and ``q float[B, N, V]``
+    (the distribution that child was drawn from, over the target's vocabulary; ignored where
+    ``child`` is -1).
+
+    Where a node has a child ``x``, the result is ``x`` with probability ``min(1, p(x) / q(x))``
+    (``p``: :func:`warped_probs`), else a sample of ``max(0, p - q)`` normalised; elsewhere a
+    sample of ``p``. Either way the token is distributed as ``p``, so accepting the child where the
+    result equals it (``ops.verify_tree``) is lossless, and the child is accepted with probability
+    ``1 - TV(p, q)``: more than a fixed draft's ``p(x)`` where both distributions are spread out."""
+    if logits.shape[:-1] != child.shape or q.shape != logits.shape:
+        raise ValueError(f"speculative_tokens: logits {tuple(logits.shape)}, child {tuple(child.shape)} and "
+                         f"q {tuple(q.shape)} do not match")
+    p = warped_probs(logits, temperature, top_k, top_p)
+    q = q.float()
+    has = child >= 0
+    c = child.clamp(min=0)[..., None]
+    pc, qc = p.gather(-1, c)[..., 0], q.gather(-1, c)[..., 0]
+    u = torch.rand(pc.shape, generator=generator, device=p.device)
+    accept = has & (u * qc < pc)
+    residual = torch.where(has[..., None], (p - q).clamp_(min=0), p)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p <= q everywhere: p == q
+    return torch.where(accept, c[..., 0], sample_from_probs(residual, generator))

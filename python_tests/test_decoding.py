@@ -184,29 +184,54 @@ def chi2_quantile(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("method,temperature,top_p,budget", [("dartree", 1.0, None, 16), ("ddtree", 0.7, 0.9, 16),
-                                                             ("chain", 1.0, None, 16), ("dartree", 1.0, None, "auto"),
-                                                             ("chain", 0.7, 0.9, "auto"), ("lookup", 1.0, None, 16),
-                                                             ("lookup", 0.7, 0.9, "auto")])
-def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
-    """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary and compare the
-    64 sequence frequencies with the target's exact probabilities (:func:`chi2_test`). Deterministic (fixed generator)."""
+def sample_and_check(method, temperature, top_p, budget, seed, **kwargs):
+    """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary, check the 64
+    sequence frequencies against the target's exact probabilities (:func:`assert_matches_target`)
+    and return the decode's output. Deterministic (fixed generator)."""
     vocab, new, copies = 4, 3, 3000
     target = sampling_target(vocab)
     drafter = tiny_drafter(target, seed=4, block_size=4)
     prompt = torch.tensor([1, 2, 3, 0, 2])
     expected = exact_counts(target, prompt, new, copies, temperature, top_p)
-    auto = {}
     if budget == "auto":  # nodes nearly free: per-round trees from the calibrated scores, batch 3000
         from dartree_ext.decoding.cost import CostModel
-        auto = dict(cost_model=CostModel.from_curve({0: 10.0, 10 ** 6: 11.0}), max_budget=16)
-    dec = SpeculativeDecoder(target, drafter, method, budget=budget, width=4, K=4, **auto)
+        kwargs.update(cost_model=CostModel.from_curve({0: 10.0, 10 ** 6: 11.0}), max_budget=16)
+    dec = SpeculativeDecoder(target, drafter, method, budget=budget, **kwargs)
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
-                       top_p=top_p, generator=torch.Generator().manual_seed(11))
+                       top_p=top_p, generator=torch.Generator().manual_seed(seed))
     assert_matches_target(out.sequences[:, prompt.numel():], expected, vocab)
+    return out
+
+
+@pytest.mark.parametrize("method,temperature,top_p,budget", [("dartree", 1.0, None, 16), ("ddtree", 0.7, 0.9, 16),
+                                                             ("chain", 1.0, None, 16), ("dartree", 1.0, None, "auto"),
+                                                             ("chain", 0.7, 0.9, "auto"), ("lookup", 1.0, None, 16),
+                                                             ("lookup", 0.7, 0.9, "auto")])
+def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
+    """:func:`sample_and_check` for each method."""
+    out = sample_and_check(method, temperature, top_p, budget, 11, width=4, K=4)
     if method != "chain":  # the context continuation (lookup) is right less often than a tree
         assert out.stats.tau > (1.1 if method == "lookup" else 1.2), \
             "the draft trees should be accepted at times, or the test proves little"
+
+
+@pytest.mark.parametrize("temperature,top_p,budget", [(1.0, None, 16), (0.7, 0.9, "auto"), (1.0, None, "auto")])
+def test_sampled_draft_distribution_matches_target(temperature, top_p, budget):
+    """``chain`` with ``sampled_draft``: each depth's token drawn from the drafter and accepted by
+    speculative sampling; the sequences' frequencies match the target's exact probabilities as in
+    :func:`test_sampling_distribution_matches_target` (a cut chain under ``budget="auto"`` too)."""
+    out = sample_and_check("chain", temperature, top_p, budget, 12, sampled_draft=True)
+    assert out.stats.tau > 1.2, "the sampled chains should be accepted at times, or the test proves little"
+
+
+def test_sampled_draft_is_greedy_chain_at_t0_and_only_for_chain(setup):
+    target, drafter, prompts, _ = setup
+    ids = prompts[0][None]
+    ar = SpeculativeDecoder(target, None, "ar").generate(ids, max_new_tokens=12)
+    out = SpeculativeDecoder(target, drafter, "chain", budget=8, sampled_draft=True).generate(ids, max_new_tokens=12)
+    assert torch.equal(out.sequences, ar.sequences)
+    with pytest.raises(ValueError, match="sampled_draft"):
+        SpeculativeDecoder(target, drafter, "dartree", sampled_draft=True)
 
 
 def test_sampling_test_detects_a_biased_sampler():

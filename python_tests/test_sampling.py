@@ -202,3 +202,51 @@ def test_one_call_degenerate_rows_and_default_dtype():
     finally:
         torch.set_default_dtype(old)
     assert tokens.shape == (3,)
+
+
+# speculative sampling of one drafted child per node ------------------------------------------------
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.8)])
+def test_speculative_tokens_are_distributed_as_the_target(temperature, top_p):
+    """Children drawn from q (with a token q never proposes, and one q proposes that p excludes under
+    top-p): the result is distributed as the warped target p, the child is accepted with
+    probability 1 - TV(p, q), and a node without a child gets a plain sample of p."""
+    from dartree_ext.sampling import speculative_tokens, warped_probs
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, -2.0, 0.0]])
+    q = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1, 0.0])
+    p = warped_probs(logits, temperature, None, top_p)[0]
+    child = torch.multinomial(q, DRAWS, replacement=True, generator=gen)
+    child[: DRAWS // 10] = -1  # a tenth of the nodes have no drafted child
+    out = speculative_tokens(logits.expand(DRAWS, -1)[None], child[None], q.expand(DRAWS, -1)[None], temperature,
+                             top_p=top_p, generator=gen)[0]
+    _assert_close_in_distribution(torch.bincount(out, minlength=6).double() / DRAWS, p)
+    has = child >= 0
+    accepted = float((out[has] == child[has]).double().mean())
+    one_minus_tv = float(torch.minimum(p, q).sum())
+    sigma = math.sqrt(one_minus_tv * (1 - one_minus_tv) / int(has.sum()))
+    # (a rejected child has p < q there, so the residual never draws it: equal means accepted)
+    assert abs(accepted - one_minus_tv) <= 5 * sigma
+
+
+def test_speculative_tokens_reject_a_wrong_draft_distribution_in_the_test():
+    """The check above can fail: claiming the children came from the uniform distribution when
+    they came from q biases the result away from p."""
+    from dartree_ext.sampling import speculative_tokens, warped_probs
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, -2.0, 0.0]])
+    q = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1, 0.0])
+    child = torch.multinomial(q, DRAWS, replacement=True, generator=gen)
+    out = speculative_tokens(logits.expand(DRAWS, -1)[None], child[None], torch.full((1, DRAWS, 6), 1 / 6), 1.0,
+                             generator=gen)[0]
+    freq, p = torch.bincount(out, minlength=6).double() / DRAWS, warped_probs(logits, 1.0)[0]
+    with pytest.raises(AssertionError):
+        _assert_close_in_distribution(freq, p)
+
+
+def test_speculative_tokens_bad_input():
+    from dartree_ext.sampling import speculative_tokens
+    with pytest.raises(ValueError, match="do not match"):
+        speculative_tokens(torch.zeros(1, 3, 5), torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 4), 1.0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        speculative_tokens(torch.zeros(1, 3, 5), torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 5), 0.0)

@@ -38,7 +38,7 @@ from ..linear import linear_as
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
 from ..models.eagle3 import Eagle3Drafter
-from ..sampling import target_tokens_from_logits
+from ..sampling import sample_from_probs, speculative_tokens, target_tokens_from_logits
 from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
 from .cache import compact_cache_, crop_cache_, select_requests_
 from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
@@ -284,6 +284,7 @@ class _Batch:
         self.position = self.length - self.pad
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = self.chain_new = None
+        self.draft_q = None  # sampled_draft: the round's chain distributions (SpeculativeDecoder._sampled_chain)
 
     def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None,
                       in_path: torch.Tensor | None) -> None:
@@ -473,6 +474,14 @@ class SpeculativeDecoder:
     ``lookup=None`` (the default) is :data:`DEFAULT_LOOKUP` for method ``lookup`` and with
     ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
 
+    ``sampled_draft=True`` (method ``chain``, T > 0) draws each depth's token from the drafter's
+    tempered distribution instead of taking its top-1, and accepts it by speculative sampling
+    (:func:`~dartree_ext.sampling.speculative_tokens`): lossless, accepted at ``1 - TV(p, q)``
+    per depth. It helps a long chain on spread-out text and loses under ``budget="auto"`` with the
+    shipped drafter (``docs/results/sampled_acceptance_zen4.md``), so it is off by default; at
+    T = 0 the chain is the greedy one either way, and no context-lookup branch is grafted onto a
+    sampled chain (a node would have two children).
+
     ``eagle3`` and ``eagle3_vh`` (:data:`EAGLE3_METHODS`) take an
     :class:`~dartree_ext.models.eagle3.Eagle3Drafter` and grow an EAGLE-2-style dynamic tree over
     its ``num_steps`` steps: each step expands the ``width`` best frontier nodes (cumulative
@@ -488,9 +497,12 @@ class SpeculativeDecoder:
                  method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | DepthCalibrator | None = None, early_exit: float | StopRule | None = None,
-                 estimator: str = "score", lookup: int | None = None) -> None:
+                 estimator: str = "score", lookup: int | None = None, sampled_draft: bool = False) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
+        if sampled_draft and method != "chain":
+            raise ValueError(f"sampled_draft (speculative sampling of a drafted chain) is for method 'chain', "
+                             f"not {method!r}")
         self.auto, budget = _resolve_budget(method, budget, max_budget)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
@@ -518,7 +530,7 @@ class SpeculativeDecoder:
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter")
             drafter.attach(target)  # raises on a target mismatch
-        self.early_exit, self.estimator = early_exit, estimator
+        self.early_exit, self.estimator, self.sampled_draft = early_exit, estimator, bool(sampled_draft)
         self._eagle3 = method in EAGLE3_METHODS
         self._vh_used = method not in DRAFTERLESS + EAGLE3_METHODS and (
             early_exit is not None or (self.auto and estimator == "vh"))
@@ -750,7 +762,7 @@ class SpeculativeDecoder:
         return max(1, min(full, max(self._recent_depths) + 2))
 
     def _calibrator_for(self, regime: str) -> DepthCalibrator:
-        """One calibrator per regime ("greedy" or "sample": acceptance differs), per depth class
+        """One calibrator per regime ("greedy", "sample" or "sampled_draft": acceptance differs), per depth class
         (:class:`DepthCalibrator`), started from the drafter's saved counts for this method
         (``calibration.json``, capped at :data:`CALIBRATION_PRIOR_TRIALS` per bin; counts saved
         without depths start every class) when it has them, else from the default prior. A
@@ -798,7 +810,9 @@ class SpeculativeDecoder:
         """
         prompts = self._check_inputs(input_ids, attention_mask, max_new_tokens, temperature)
         self._ensure_cost_model()
-        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else "sample")
+        # sampled chains are accepted by another rule than fixed drafts: their own calibration
+        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else
+                                               "sampled_draft" if self.sampled_draft else "sample")
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self._skip = self._backoff = 0
         self._recent_depths, self._recent_sizes = [], []
@@ -956,7 +970,7 @@ class SpeculativeDecoder:
             tree, chosen = self.plain_tree(state.root), (0 if self.auto else None)
         else:
             tree, chosen = self._drafted_tree(run, state, draft)
-        if self.lookup:
+        if self.lookup and state.draft_q is None:  # (a grafted branch would give a node a second child)
             tree = self._graft_lookup(run, state, tree, chosen)
             run.tick("tree")
         return tree, chosen
@@ -1034,7 +1048,10 @@ class SpeculativeDecoder:
             hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
             prob = None if prob is None else prob[:, :keep]
         cap = self._build_cap() if self.auto else None
-        tree = self.build_tree(hidden, base_logits, state.root, vocab, **({} if cap is None else {"cap": cap}))
+        if self.sampled_draft and run.sampling["temperature"] > 0:
+            tree, state.draft_q = self._sampled_chain(base_logits, state.root, vocab, run.sampling)
+        else:
+            tree = self.build_tree(hidden, base_logits, state.root, vocab, **({} if cap is None else {"cap": cap}))
         if cut is not None and self.method in ("chain", "chain_corrected"):  # chains: each row its own cut
             num = torch.minimum(tree.num_nodes, (cut + 1).to(tree.num_nodes.dtype))
             live = torch.arange(tree.tokens.shape[1], device=num.device)[None] < num[:, None]
@@ -1051,6 +1068,47 @@ class SpeculativeDecoder:
         run.tick("tree")
         return tree, chosen
 
+    def _sampled_chain(self, base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Tensor | None,
+                       sampling: dict) -> tuple[Tree, torch.Tensor]:
+        """``sampled_draft`` at T > 0: a chain whose token at each depth is drawn from the drafter's
+        distribution there (``softmax(base_logits / temperature)``, block-parallel, so each
+        depth's distribution is known whatever was drawn before it), scored by its cumulative log
+        probability, and those distributions over the target's vocabulary ``float32[B, D, V]``
+        (:meth:`_verify` accepts each token with :func:`~dartree_ext.sampling.speculative_tokens`)."""
+        batch, depth = base_logits.shape[:2]
+        q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
+        drawn = sample_from_probs(q, sampling.get("generator"))
+        logq = q.gather(-1, drawn[..., None])[..., 0].clamp(min=1e-30).log()
+        if vocab is not None:
+            full = q.new_zeros(batch, depth, self.target.get_output_embeddings().weight.shape[0])
+            full[..., vocab.to(q.device)] = q
+            q, drawn = full, vocab.to(drawn.device)[drawn]
+        n, device = depth + 1, root.device
+        tree = Tree(tokens=torch.cat([root[:, None], drawn], 1),
+                    parents=(torch.arange(n, device=device, dtype=torch.int32) - 1).expand(batch, n).contiguous(),
+                    depths=torch.arange(n, device=device, dtype=torch.int32).expand(batch, n).contiguous(),
+                    scores=torch.cat([torch.zeros(batch, 1, device=device), logq.cumsum(1)], 1),
+                    num_nodes=torch.full((batch,), n, dtype=torch.int32, device=device))
+        return tree, q
+
+    @staticmethod
+    def _children_and_q(tree: Tree, draft_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each node's one child token (-1: none) in a (possibly cut) sampled chain, and the
+        distribution it was drawn from (its depth's row of ``draft_q``): ``int64[B, N]``,
+        ``float32[B, N, V]``."""
+        rows, n = tree.tokens.shape
+        node = torch.arange(n, device=tree.tokens.device)[None]
+        live = (node >= 1) & (node < tree.num_nodes[:, None]) & (tree.parents >= 0)
+        slot = torch.where(live, tree.parents.long(), n)  # dead nodes write to a spare column
+        child = torch.full((rows, n + 1), -1, dtype=torch.int64, device=node.device)
+        child.scatter_(1, slot, node.expand(rows, -1).clone())
+        child = child[:, :n]
+        has = child >= 0
+        tokens = torch.where(has, tree.tokens.gather(1, child.clamp(min=0)), -1)
+        depth = tree.depths.gather(1, child.clamp(min=0)).long().clamp(min=1) - 1
+        q = draft_q.gather(1, depth[..., None].expand(-1, -1, draft_q.shape[-1]))
+        return tokens, q
+
     def _verify(self, run: _Run, state: _Batch, tree: Tree) -> _Verdict:
         """One target forward over root + tree (tree-attention mask); the target's token at every
         node; the longest accepted path and the bonus token of every row."""
@@ -1058,7 +1116,10 @@ class SpeculativeDecoder:
         positions = state.position[:, None] + tree.depths.clamp(min=0).long()
         out = self.target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                           output_hidden_states=run.drafting, **{self._cache_kw: state.cache})
-        target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
+        if state.draft_q is not None and tree.tokens.shape[1] > 1:
+            target_tokens = speculative_tokens(out.logits, *self._children_and_q(tree, state.draft_q), **run.sampling)
+        else:
+            target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
         accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
         verdict = _Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
         # everything the host needs from this round, in one device-to-host transfer
