@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
+from dartree_ext.tree import Tree  # noqa: E402
 
 from dartree_ext.models import LookupDrafter as OracleDrafter  # noqa: E402
 from models import greedy_reference, tiny_drafter, tiny_target  # noqa: E402
@@ -184,18 +185,36 @@ def chi2_quantile(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def sample_and_check(method, temperature, top_p, budget, seed, **kwargs):
+def peaked_by_depth(drafter, vocab: int):
+    """``drafter`` with 3 added to token ``d mod vocab``'s base logit at each drafted depth ``d``: its
+    distributions differ from depth to depth and are peaked (a random tiny drafter's are nearly
+    alike at every depth, so a mix-up of depths or temperatures would go unseen)."""
+    forward = drafter.forward
+
+    def peaked(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        depth = torch.arange(out.base_logits.shape[1])
+        out.base_logits = out.base_logits + 3.0 * torch.nn.functional.one_hot(depth % vocab, vocab).to(out.base_logits)
+        return out
+
+    drafter.forward = peaked
+    return drafter
+
+
+def sample_and_check(method, temperature, top_p, budget, seed, curve=None, peaked=False, **kwargs):
     """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary, check the 64
     sequence frequencies against the target's exact probabilities (:func:`assert_matches_target`)
     and return the decode's output. Deterministic (fixed generator)."""
     vocab, new, copies = 4, 3, 3000
     target = sampling_target(vocab)
     drafter = tiny_drafter(target, seed=4, block_size=4)
+    if peaked:
+        drafter = peaked_by_depth(drafter, vocab)
     prompt = torch.tensor([1, 2, 3, 0, 2])
     expected = exact_counts(target, prompt, new, copies, temperature, top_p)
-    if budget == "auto":  # nodes nearly free: per-round trees from the calibrated scores, batch 3000
+    if budget == "auto":  # nodes nearly free (or ``curve``): per-round trees from the calibrated scores, batch 3000
         from dartree_ext.decoding.cost import CostModel
-        kwargs.update(cost_model=CostModel.from_curve({0: 10.0, 10 ** 6: 11.0}), max_budget=16)
+        kwargs.update(cost_model=CostModel.from_curve(curve or {0: 10.0, 10 ** 6: 11.0}), max_budget=16)
     dec = SpeculativeDecoder(target, drafter, method, budget=budget, **kwargs)
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
                        top_p=top_p, generator=torch.Generator().manual_seed(seed))
@@ -219,9 +238,65 @@ def test_sampling_distribution_matches_target(method, temperature, top_p, budget
 def test_sampled_draft_distribution_matches_target(temperature, top_p, budget):
     """``chain`` with ``sampled_draft``: each depth's token drawn from the drafter and accepted by
     speculative sampling; the sequences' frequencies match the target's exact probabilities as in
-    :func:`test_sampling_distribution_matches_target` (a cut chain under ``budget="auto"`` too)."""
-    out = sample_and_check("chain", temperature, top_p, budget, 12, sampled_draft=True)
+    :func:`test_sampling_distribution_matches_target` (one cut for the batch under ``budget="auto"``:
+    the next test checks the cut never looks at the drawn tokens)."""
+    out = sample_and_check("chain", temperature, top_p, budget, 12, peaked=True, sampled_draft=True)
     assert out.stats.tau > 1.2, "the sampled chains should be accepted at times, or the test proves little"
+
+
+def test_sampled_draft_one_request_at_a_time_matches_target():
+    """Batch 1, so each request's own chain could decide its cut under ``budget="auto"`` (a steep
+    cost curve, where the cut is near the margin): 1500 decodes of 2 tokens pass the chi-square
+    test. A cut that looked at the drawn tokens (scores from their own log q) fails it here at
+    chi2 116 against a limit of 42; the cut from the top-1 chain's scores is the same whatever
+    was drawn."""
+    from dartree_ext.decoding.cost import CostModel
+    vocab, new, copies = 4, 2, 1500
+    target = sampling_target(vocab)
+    drafter = tiny_drafter(target, seed=4, block_size=4)
+    prompt = torch.tensor([1, 2, 3, 0, 2])
+    dec = SpeculativeDecoder(target, drafter, "chain", budget="auto", sampled_draft=True, lookup=0, max_budget=16,
+                             cost_model=CostModel.from_curve({0: 10.0, 1: 10.1, 2: 10.4, 3: 13.0}))
+    gen = torch.Generator().manual_seed(5)
+    seqs = [dec.generate(prompt[None], max_new_tokens=new, temperature=1.0, generator=gen).sequences[0, prompt.numel():]
+            for _ in range(copies)]
+    assert_matches_target(torch.stack(seqs), exact_counts(target, prompt, new, copies, 1.0, None), vocab)
+
+
+def test_children_and_q_follow_a_cut_chain():
+    """Each node's one child token and the distribution it was drawn from (its depth's row), in a
+    chain cut by ``prune``, a row cut shorter (early exit: depth -1 past the cut), and a root-only
+    row; padding and leaves have no child (-1)."""
+    q = torch.softmax(torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0)), -1)
+    tokens = torch.tensor([[9, 1, 2, 3, 4], [8, 5, 0, 0, 0], [7, 0, 0, 0, 0]])
+    parents = torch.tensor([[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]], dtype=torch.int32)
+    depths = torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1], [0, 1, 2, 3, 4]], dtype=torch.int32)
+    tree = Tree(tokens=tokens, parents=parents, depths=depths, scores=torch.zeros(3, 5),
+                num_nodes=torch.tensor([4, 2, 1], dtype=torch.int32))
+    child, rows = SpeculativeDecoder._children_and_q(tree, q)
+    assert child.tolist() == [[1, 2, 3, -1, -1], [5, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]
+    for b, d in [(0, 0), (0, 1), (0, 2), (1, 0)]:  # node d's child sits at depth d + 1: q row d
+        assert torch.equal(rows[b, d], q[b, d])
+
+
+def test_sampled_draft_cut_does_not_look_at_the_drawn_tokens(setup):
+    """``budget="auto"`` cuts a sampled chain by its scores; the scores (and so the cut) must be the
+    same whatever tokens were drawn, or the cut would bias the output (verifying a drawn token only
+    when it is a likely one: with p = (0.5, 0.5), q = (0.9, 0.1) and the chain cut when it drew the
+    second token, the first token is emitted with probability 0.55). Two draws from one drafter
+    pass give different tokens and the same scores and cut."""
+    from dartree_ext.decoding.cost import CostModel
+    target, drafter, prompts, _ = setup
+    dec = SpeculativeDecoder(target, drafter, "chain", budget="auto", sampled_draft=True,
+                             cost_model=CostModel.from_curve({0: 10.0, 4: 10.2, 8: 12.0, 15: 30.0}))
+    base_logits = 4 * torch.randn(4, 15, 97, generator=torch.Generator().manual_seed(3))
+    root = torch.tensor([1, 2, 3, 4])
+    trees = [dec._sampled_chain(base_logits, root, None, {"temperature": 1.0, "generator": torch.Generator().manual_seed(s)})[0]
+             for s in (0, 1)]
+    assert not torch.equal(trees[0].tokens, trees[1].tokens)
+    assert torch.equal(trees[0].scores, trees[1].scores)
+    cuts = [dec.choose_tree(t, 16)[1] for t in trees]
+    assert cuts[0] == cuts[1] and 0 < cuts[0] < 15
 
 
 def test_sampled_draft_is_greedy_chain_at_t0_and_only_for_chain(setup):

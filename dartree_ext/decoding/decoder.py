@@ -477,8 +477,10 @@ class SpeculativeDecoder:
     ``sampled_draft=True`` (method ``chain``, T > 0) draws each depth's token from the drafter's
     tempered distribution instead of taking its top-1, and accepts it by speculative sampling
     (:func:`~dartree_ext.sampling.speculative_tokens`): lossless, accepted at ``1 - TV(p, q)``
-    per depth. It helps a long chain on spread-out text and loses under ``budget="auto"`` with the
-    shipped drafter (``docs/results/sampled_acceptance_zen4.md``), so it is off by default; at
+    per depth. It helps a long chain on spread-out text and does not beat the top-1 chain under
+    ``budget="auto"`` with the shipped drafter (``docs/results/sampled_acceptance_zen4.md``), so
+    it is off by default. ``budget="auto"`` cuts a sampled chain by the top-1 chain's scores,
+    never by the drawn tokens (that would bias the output); at
     T = 0 the chain is the greedy one either way, and no context-lookup branch is grafted onto a
     sampled chain (a node would have two children).
 
@@ -1072,13 +1074,18 @@ class SpeculativeDecoder:
                        sampling: dict) -> tuple[Tree, torch.Tensor]:
         """``sampled_draft`` at T > 0: a chain whose token at each depth is drawn from the drafter's
         distribution there (``softmax(base_logits / temperature)``, block-parallel, so each
-        depth's distribution is known whatever was drawn before it), scored by its cumulative log
-        probability, and those distributions over the target's vocabulary ``float32[B, D, V]``
-        (:meth:`_verify` accepts each token with :func:`~dartree_ext.sampling.speculative_tokens`)."""
+        depth's distribution is known whatever was drawn before it), and those distributions over
+        the target's vocabulary ``float32[B, D, V]`` (:meth:`_verify` accepts each token with
+        :func:`~dartree_ext.sampling.speculative_tokens`).
+
+        Its scores are the top-1 chain's (cumulative log-probability of each depth's most likely
+        token), not the drawn tokens': ``budget="auto"`` cuts the chain by its scores, and a cut
+        that looked at a drawn token would bias what is emitted there (a token drawn from q but
+        verified only when it is a likely one is no longer a draw from q)."""
         batch, depth = base_logits.shape[:2]
         q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
         drawn = sample_from_probs(q, sampling.get("generator"))
-        logq = q.gather(-1, drawn[..., None])[..., 0].clamp(min=1e-30).log()
+        logq = torch.log_softmax(base_logits.float(), -1).amax(-1)  # depends on the drafter's pass alone
         if vocab is not None:
             full = q.new_zeros(batch, depth, self.target.get_output_embeddings().weight.shape[0])
             full[..., vocab.to(q.device)] = q
@@ -1170,7 +1177,9 @@ class SpeculativeDecoder:
                 self._flush_context(state)
         if self.auto and chosen:
             self._calibrate(tree, verdict.accept_nodes)
-        elif self.auto and chosen == 0 and state.full_tree is not None:
+        elif self.auto and chosen == 0 and state.full_tree is not None and state.draft_q is None:
+            # (a sampled chain is accepted by speculative sampling, not by equality with the target's
+            # sample: a plain round has nothing to teach its calibration; probes do)
             self._calibrate_unverified(state.full_tree, verdict.target_tokens[:, 0])
         state.length = state.length + lengths
         state.root = verdict.bonus
