@@ -10,12 +10,16 @@ positions=p)``, what ``budget="auto"`` asks for) against all of them.
     python bench/forward_speed.py --threads 1,2 --rows "" --tokens 1,65 --prefill
     python bench/forward_speed.py --rows "" --tokens "" --attention 1,4,8,16 --contexts 200,800
     python bench/forward_speed.py --rows "" --tokens "" --drafter-positions 2,4,6,8
+    python bench/forward_speed.py --rows "" --tokens "" --layers 1,2,4,6,8,12,16
 
 Part 1 runs 60 distinct [1536, 576] weights (SmolLM2's MLP shape, 53M parameters, more than the
 caches hold) through each implementation, best of 5, every implementation in turn at each row
 count. Part 2 times the target's forward over n new tokens after a 200-token cache
 (:func:`dartree_ext.decoding.cost.forward_ms`; median of --reps, the two linears in turn). Ratios
-are torch / few_rows: above 1, few_rows is faster.
+are torch / few_rows: above 1, few_rows is faster. --layers runs the target's own linear weights
+(bfloat16, every layer in the model's order: one forward's weight traffic, the 211 layers of
+SmolLM2-135M with its output head) through ``few_rows_linear`` at each row count, the counts in
+turn 15 times, and gives each count's median and fastest ms.
 """
 from __future__ import annotations
 
@@ -187,6 +191,31 @@ def prefill_tokens_per_s(model: torch.nn.Module, tokens: int = 256) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def layer_times(model: torch.nn.Module, rows: list[int], reps: int = 15) -> list[dict]:
+    """Every linear weight of ``model`` (bfloat16, model order) through ``few_rows_linear`` at each
+    row count; the counts in turn ``reps`` times: median and fastest ms of one pass over them."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [m.weight.detach().to(torch.bfloat16) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {n: {w.shape[1]: torch.randn(n, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights} for n in rows}
+
+    def one_pass(n: int) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            ops.few_rows_linear(xs[n][w.shape[1]], w)
+        return 1e3 * (time.perf_counter() - start)
+
+    for n in rows:  # warm-up
+        one_pass(n)
+    times = {n: [] for n in rows}
+    for _ in range(reps):
+        for n in rows:
+            times[n].append(one_pass(n))
+    out = [{"rows": n, "median_ms": round(statistics.median(t), 2), "min_ms": round(min(t), 2)} for n, t in times.items()]
+    print(f"  {len(weights)} layers ({sum(w.numel() for w in weights) / 1e6:.1f}M weights): " +
+          "  ".join(f"{o['rows']} rows {o['median_ms']:.1f} ms (min {o['min_ms']:.1f})" for o in out))
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
@@ -207,18 +236,22 @@ def main(argv=None) -> int:
     p.add_argument("--drafter-positions", default="", help="drafted positions for the drafter part, e.g. 2,4,6,8 "
                    "('' skips it): the shipped SmolLM2 drafter in bfloat16 after a --drafter-context slot context")
     p.add_argument("--drafter-context", type=int, default=300)
+    p.add_argument("--layers", default="", help="row counts for the target's own linear layers through "
+                   "few_rows_linear in bfloat16, e.g. 1,4,8,12,16 ('' skips it)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows, tokens, threads = _ints(args.rows), _ints(args.tokens), _ints(args.threads)
     tree_sizes, contexts, draft_positions = _ints(args.attention), _ints(args.contexts), _ints(args.drafter_positions)
+    layer_rows = _ints(args.layers)
     result = {"device": device_name("cpu"), "bf16_native": cpu_bf16_native(), "torch": torch.__version__,
               "few_rows_linear": build_info()["few_rows_linear"], "runs": []}
     print(f"{result['device']} (bf16 native: {result['bf16_native']}), few_rows paths {result['few_rows_linear']}")
     models = {dtype: load_target(args.target, dtype=dtype).target for dtype in DTYPES} \
-        if tokens or args.prefill or tree_sizes or draft_positions else {}
+        if tokens or args.prefill or tree_sizes or draft_positions or layer_rows else {}
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}, "attention": {}, "drafter": []}
+        run = {"threads": n_threads, "op": {}, "forward": {}, "prefill_tok_s": {}, "attention": {}, "drafter": [],
+               "layers": []}
         print(f"{n_threads} threads")
         if rows:
             print("60 x [1536, 576] weights:")
@@ -239,6 +272,9 @@ def main(argv=None) -> int:
             set_linear(models[torch.bfloat16], args.linear)
             run["drafter"] = drafter_times(models[torch.bfloat16], draft_positions, args.drafter_context, args.reps)
             set_linear(models[torch.bfloat16], "torch")
+        if layer_rows:
+            print(f"{args.target} linear layers through few_rows_linear (bfloat16):")
+            run["layers"] = layer_times(models[torch.bfloat16], layer_rows)
         if args.prefill:
             for dtype, model in models.items():
                 run["prefill_tok_s"][str(dtype)[6:]] = round(prefill_tokens_per_s(model), 1)

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
+from dartree_ext.decoding.decoder import _DraftQ  # noqa: E402
 from dartree_ext.tree import Tree  # noqa: E402
 
 from dartree_ext.models import LookupDrafter as OracleDrafter  # noqa: E402
@@ -193,21 +194,24 @@ def peaked_by_depth(drafter, vocab: int):
 
     def peaked(*args, **kwargs):
         out = forward(*args, **kwargs)
-        depth = torch.arange(out.base_logits.shape[1])
-        out.base_logits = out.base_logits + 3.0 * torch.nn.functional.one_hot(depth % vocab, vocab).to(out.base_logits)
+        depth, width = torch.arange(out.base_logits.shape[1]), out.base_logits.shape[-1]  # (a draft vocabulary's width)
+        out.base_logits = out.base_logits + 3.0 * torch.nn.functional.one_hot(depth % width, width).to(out.base_logits)
         return out
 
     drafter.forward = peaked
     return drafter
 
 
-def sample_and_check(method, temperature, top_p, budget, seed, curve=None, peaked=False, **kwargs):
+def sample_and_check(method, temperature, top_p, budget, seed, curve=None, peaked=False, draft_vocab=None, **kwargs):
     """Generate 3 tokens for 3000 copies of one prompt with a 4-token vocabulary, check the 64
     sequence frequencies against the target's exact probabilities (:func:`assert_matches_target`)
-    and return the decode's output. Deterministic (fixed generator)."""
+    and return the decode's output. Deterministic (fixed generator). ``draft_vocab``: the
+    drafter's reduced vocabulary (target ids)."""
     vocab, new, copies = 4, 3, 3000
     target = sampling_target(vocab)
     drafter = tiny_drafter(target, seed=4, block_size=4)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
     if peaked:
         drafter = peaked_by_depth(drafter, vocab)
     prompt = torch.tensor([1, 2, 3, 0, 2])
@@ -244,6 +248,15 @@ def test_sampled_draft_distribution_matches_target(temperature, top_p, budget):
     assert out.stats.tau > 1.2, "the sampled chains should be accepted at times, or the test proves little"
 
 
+@pytest.mark.parametrize("budget", [16, "auto"])
+def test_sampled_draft_with_a_draft_vocabulary_matches_target(budget):
+    """``sampled_draft`` with a reduced draft vocabulary (target ids 2, 0, 3; token 1 is never
+    drafted, so q(1) = 0 and the residual keeps p(1)): each depth's distribution is drawn over the
+    draft vocabulary and spread over the target's at its ids; the frequencies match the target's."""
+    out = sample_and_check("chain", 1.0, None, budget, 13, peaked=True, draft_vocab=[2, 0, 3], sampled_draft=True)
+    assert out.stats.tau > 1.2, "the sampled chains should be accepted at times, or the test proves little"
+
+
 def test_sampled_draft_one_request_at_a_time_matches_target():
     """Batch 1, so each request's own chain could decide its cut under ``budget="auto"`` (a steep
     cost curve, where the cut is near the margin): 1500 decodes of 2 tokens pass the chi-square
@@ -273,10 +286,17 @@ def test_children_and_q_follow_a_cut_chain():
     depths = torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1], [0, 1, 2, 3, 4]], dtype=torch.int32)
     tree = Tree(tokens=tokens, parents=parents, depths=depths, scores=torch.zeros(3, 5),
                 num_nodes=torch.tensor([4, 2, 1], dtype=torch.int32))
-    child, rows = SpeculativeDecoder._children_and_q(tree, q)
+    child, rows = SpeculativeDecoder._children_and_q(tree, _DraftQ(q), 6)
     assert child.tolist() == [[1, 2, 3, -1, -1], [5, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]
     for b, d in [(0, 0), (0, 1), (0, 2), (1, 0)]:  # node d's child sits at depth d + 1: q row d
         assert torch.equal(rows[b, d], q[b, d])
+    # a draft vocabulary: each row spread over the target's 10 tokens at its target ids, 0 elsewhere
+    vocab = torch.tensor([9, 1, 2, 3, 4, 5])
+    _, spread = SpeculativeDecoder._children_and_q(tree, _DraftQ(q, vocab), 10)
+    assert spread.shape == (3, 5, 10)
+    for b, d in [(0, 0), (0, 2), (1, 0)]:
+        assert torch.equal(spread[b, d, vocab], q[b, d])
+        assert spread[b, d, [0, 6, 7, 8]].abs().sum() == 0
 
 
 def test_sampled_draft_cut_does_not_look_at_the_drawn_tokens(setup):

@@ -207,7 +207,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  // Every pass over this block's rows fetches the next block's (block_f32 does it in the first
+  // pass only). In bfloat16 a pass is short, and prefetching only in the first of several (more
+  // input rows than one register block) left the memory idle in the others: on a 2-vCPU Zen 4
+  // EPYC, SmolLM2-135M's 211 linear layers took 19.1-21.5 ms at 12 rows against 16.2-16.8 with
+  // every pass prefetching, 22.4-26.7 against 17.9-18.4 at 16 (a repeated line is in flight or
+  // cached: cheap); 1-6 rows (one pass) are unchanged, and float32 measured no difference
+  // (bench/forward_speed.py --layers; docs/results/prefetch_passes_zen4.md).
+  const int64_t ahead = NB * p.in;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t k = 0;
   for (; k < pairs; k += 32) {
@@ -257,7 +264,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_bf16_
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  const int64_t ahead = NB * p.in;  // every pass: see block_bf16
   int64_t k = 0;
   for (; k < pairs; k += 32) {
     __m512bh w[NB];

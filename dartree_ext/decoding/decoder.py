@@ -215,6 +215,26 @@ def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K
                              f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
 
 
+def _chain_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> Tree:
+    """A chain: ``root int64[B]`` then ``tokens int64[B, D]`` below it, each node the child of the one
+    before; ``scores [B, D + 1]``. ``D = 0``: the root alone (a plain step)."""
+    batch, n = root.shape[0], tokens.shape[1] + 1
+    steps = torch.arange(n, device=root.device, dtype=torch.int32).expand(batch, n)
+    return Tree(tokens=torch.cat([root[:, None], tokens.to(root.device)], 1), parents=(steps - 1).contiguous(),
+                depths=steps.contiguous(), scores=scores,
+                num_nodes=torch.full((batch,), n, dtype=torch.int32, device=root.device))
+
+
+@dataclasses.dataclass
+class _DraftQ:
+    """``sampled_draft``: the distributions a chain's tokens were drawn from, ``q float32[B, D, V']``
+    (row ``d``: depth ``d + 1``), over the draft vocabulary ``vocab int64[V']`` (its target ids;
+    ``None``: the target's vocabulary). Spread over the target's vocabulary only for the nodes
+    verified (:meth:`SpeculativeDecoder._children_and_q`)."""
+    q: torch.Tensor
+    vocab: torch.Tensor | None = None
+
+
 def _new_nodes(added: Sequence[int]) -> list[bool]:
     """Whether each continuation token is a new node, from :class:`ChainGraft`'s cumulative
     counts of the nodes its first ``d + 1`` tokens add."""
@@ -284,7 +304,7 @@ class _Batch:
         self.position = self.length - self.pad
         self.full_tree = None
         self.chains = self.ngrams = self.drafted = self.chain_new = None
-        self.draft_q = None  # sampled_draft: the round's chain distributions (SpeculativeDecoder._sampled_chain)
+        self.draft_q = None  # sampled_draft: the round's chain distributions (_DraftQ)
 
     def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None,
                       in_path: torch.Tensor | None) -> None:
@@ -578,10 +598,7 @@ class SpeculativeDecoder:
             if m == "dartree" and self.depth_bonus <= 0:
                 width = tuple(min(w, cap) for w in depth_widths(width, base_logits.shape[1]))
         if m == "ar":
-            return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
-                        depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
-                        scores=torch.zeros(batch, 1, device=device),
-                        num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
+            return self.plain_tree(root)
         depth = base_logits.shape[1]
         if m == "chain":
             n = depth + 1
@@ -591,11 +608,7 @@ class SpeculativeDecoder:
                                                               top.values.cumsum(1)], 1)
             else:
                 tokens, scores = ids(base_logits.argmax(-1)), torch.zeros(batch, n, device=device)
-            return Tree(tokens=torch.cat([root[:, None], tokens], 1),
-                        parents=(torch.arange(n, device=device, dtype=torch.int32) - 1).expand(batch, n).contiguous(),
-                        depths=torch.arange(n, device=device, dtype=torch.int32).expand(batch, n).contiguous(),
-                        scores=scores,
-                        num_nodes=torch.full((batch,), n, dtype=torch.int32, device=device))
+            return _chain_tree(root, tokens, scores)
         k = min(self.K, base_logits.shape[-1])
         if m == "ddtree":
             logprobs, top = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
@@ -630,11 +643,7 @@ class SpeculativeDecoder:
 
     def plain_tree(self, root: torch.Tensor) -> Tree:
         """The root alone: a plain decoding step."""
-        batch, device = root.shape[0], root.device
-        return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
-                    depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
-                    scores=torch.zeros(batch, 1, device=device),
-                    num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
+        return _chain_tree(root, root.new_empty(root.shape[0], 0), torch.zeros(root.shape[0], 1, device=root.device))
 
     def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
         """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
@@ -1071,38 +1080,30 @@ class SpeculativeDecoder:
         return tree, chosen
 
     def _sampled_chain(self, base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Tensor | None,
-                       sampling: dict) -> tuple[Tree, torch.Tensor]:
+                       sampling: dict) -> tuple[Tree, _DraftQ]:
         """``sampled_draft`` at T > 0: a chain whose token at each depth is drawn from the drafter's
         distribution there (``softmax(base_logits / temperature)``, block-parallel, so each
         depth's distribution is known whatever was drawn before it), and those distributions over
-        the target's vocabulary ``float32[B, D, V]`` (:meth:`_verify` accepts each token with
+        the draft vocabulary (:class:`_DraftQ`; :meth:`_verify` accepts each token with
         :func:`~dartree_ext.sampling.speculative_tokens`).
 
         Its scores are the top-1 chain's (cumulative log-probability of each depth's most likely
         token), not the drawn tokens': ``budget="auto"`` cuts the chain by its scores, and a cut
         that looked at a drawn token would bias what is emitted there (a token drawn from q but
         verified only when it is a likely one is no longer a draw from q)."""
-        batch, depth = base_logits.shape[:2]
         q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
         drawn = sample_from_probs(q, sampling.get("generator"))
         logq = torch.log_softmax(base_logits.float(), -1).amax(-1)  # depends on the drafter's pass alone
         if vocab is not None:
-            full = q.new_zeros(batch, depth, self.target.get_output_embeddings().weight.shape[0])
-            full[..., vocab.to(q.device)] = q
-            q, drawn = full, vocab.to(drawn.device)[drawn]
-        n, device = depth + 1, root.device
-        tree = Tree(tokens=torch.cat([root[:, None], drawn], 1),
-                    parents=(torch.arange(n, device=device, dtype=torch.int32) - 1).expand(batch, n).contiguous(),
-                    depths=torch.arange(n, device=device, dtype=torch.int32).expand(batch, n).contiguous(),
-                    scores=torch.cat([torch.zeros(batch, 1, device=device), logq.cumsum(1)], 1),
-                    num_nodes=torch.full((batch,), n, dtype=torch.int32, device=device))
-        return tree, q
+            drawn = vocab.to(drawn.device)[drawn]
+        scores = torch.cat([torch.zeros(root.shape[0], 1, device=root.device), logq.cumsum(1)], 1)
+        return _chain_tree(root, drawn, scores), _DraftQ(q, vocab)
 
     @staticmethod
-    def _children_and_q(tree: Tree, draft_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _children_and_q(tree: Tree, draft_q: _DraftQ, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each node's one child token (-1: none) in a (possibly cut) sampled chain, and the
-        distribution it was drawn from (its depth's row of ``draft_q``): ``int64[B, N]``,
-        ``float32[B, N, V]``."""
+        distribution it was drawn from (its depth's row of ``draft_q``) over the target's
+        ``vocab_size`` tokens: ``int64[B, N]``, ``float32[B, N, V]``."""
         rows, n = tree.tokens.shape
         node = torch.arange(n, device=tree.tokens.device)[None]
         live = (node >= 1) & (node < tree.num_nodes[:, None]) & (tree.parents >= 0)
@@ -1113,7 +1114,11 @@ class SpeculativeDecoder:
         has = child >= 0
         tokens = torch.where(has, tree.tokens.gather(1, child.clamp(min=0)), -1)
         depth = tree.depths.gather(1, child.clamp(min=0)).long().clamp(min=1) - 1
-        q = draft_q.gather(1, depth[..., None].expand(-1, -1, draft_q.shape[-1]))
+        q = draft_q.q.gather(1, depth[..., None].expand(-1, -1, draft_q.q.shape[-1]))
+        if draft_q.vocab is not None:
+            full = q.new_zeros(rows, n, vocab_size)
+            full[..., draft_q.vocab.to(q.device)] = q
+            q = full
         return tokens, q
 
     def _verify(self, run: _Run, state: _Batch, tree: Tree) -> _Verdict:
@@ -1124,7 +1129,8 @@ class SpeculativeDecoder:
         out = self.target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                           output_hidden_states=run.drafting, **{self._cache_kw: state.cache})
         if state.draft_q is not None and tree.tokens.shape[1] > 1:
-            target_tokens = speculative_tokens(out.logits, *self._children_and_q(tree, state.draft_q), **run.sampling)
+            child, q = self._children_and_q(tree, state.draft_q, out.logits.shape[-1])
+            target_tokens = speculative_tokens(out.logits, child, q, **run.sampling)
         else:
             target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
         accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
