@@ -18,8 +18,9 @@ count. Part 2 times the target's forward over n new tokens after a 200-token cac
 (:func:`dartree_ext.decoding.cost.forward_ms`; median of --reps, the two linears in turn). Ratios
 are torch / few_rows: above 1, few_rows is faster. --layers runs the target's own linear weights
 (bfloat16, every layer in the model's order: one forward's weight traffic, the 211 layers of
-SmolLM2-135M with its output head) through ``few_rows_linear`` at each row count, the counts in
-turn 15 times, and gives each count's median and fastest ms.
+SmolLM2-135M with its output head) through ``few_rows_linear`` and its forced FMA / VDPBF16PS
+paths at each row count, in turn 15 times: each one's median and fastest ms, and FMA / VDPBF16PS
+as the median of back-to-back pairs.
 """
 from __future__ import annotations
 
@@ -192,27 +193,44 @@ def prefill_tokens_per_s(model: torch.nn.Module, tokens: int = 256) -> float:
 
 
 def layer_times(model: torch.nn.Module, rows: list[int], reps: int = 15) -> list[dict]:
-    """Every linear weight of ``model`` (bfloat16, model order) through ``few_rows_linear`` at each
-    row count; the counts in turn ``reps`` times: median and fastest ms of one pass over them."""
+    """Every linear weight of ``model`` (bfloat16, model order) through ``few_rows_linear`` (and,
+    where this CPU has them, its FMA and VDPBF16PS paths forced) at each row count; the counts and
+    implementations in turn ``reps`` times (the implementations' order flipped every repetition):
+    median and fastest ms of one pass over the weights, and the median over repetitions of the
+    FMA path's time over VDPBF16PS's (paired: the two ran back to back)."""
     gen = torch.Generator().manual_seed(0)
     weights = [m.weight.detach().to(torch.bfloat16) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {n: {w.shape[1]: torch.randn(n, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights} for n in rows}
+    impls = {"few_rows": lambda x, w: ops.few_rows_linear(x, w), **_forced_paths(torch.bfloat16)}
 
-    def one_pass(n: int) -> float:
+    def one_pass(f, n: int) -> float:
         start = time.perf_counter()
         for w in weights:
-            ops.few_rows_linear(xs[n][w.shape[1]], w)
+            f(xs[n][w.shape[1]], w)
         return 1e3 * (time.perf_counter() - start)
 
     for n in rows:  # warm-up
-        one_pass(n)
-    times = {n: [] for n in rows}
-    for _ in range(reps):
+        for f in impls.values():
+            one_pass(f, n)
+    times = {(name, n): [] for name in impls for n in rows}
+    for rep in range(reps):
         for n in rows:
-            times[n].append(one_pass(n))
-    out = [{"rows": n, "median_ms": round(statistics.median(t), 2), "min_ms": round(min(t), 2)} for n, t in times.items()]
-    print(f"  {len(weights)} layers ({sum(w.numel() for w in weights) / 1e6:.1f}M weights): " +
-          "  ".join(f"{o['rows']} rows {o['median_ms']:.1f} ms (min {o['min_ms']:.1f})" for o in out))
+            for name, f in (list(impls.items()) if rep % 2 else list(impls.items())[::-1]):
+                times[(name, n)].append(one_pass(f, n))
+    print(f"  {len(weights)} layers ({sum(w.numel() for w in weights) / 1e6:.1f}M weights), median ms (fastest):")
+    out = []
+    for n in rows:
+        row = {"rows": n}
+        for name in impls:
+            t = times[(name, n)]
+            row[f"{name}_median_ms"], row[f"{name}_min_ms"] = round(statistics.median(t), 2), round(min(t), 2)
+        if "avx512_fma" in impls and "avx512_bf16" in impls:
+            row["fma_over_dot"] = round(statistics.median(
+                a / b for a, b in zip(times[("avx512_fma", n)], times[("avx512_bf16", n)])), 3)
+        out.append(row)
+        print(f"  rows {n:3d}: " + "  ".join(f"{name} {row[f'{name}_median_ms']:.1f} ({row[f'{name}_min_ms']:.1f})"
+                                             for name in impls) +
+              (f"  fma / dot {row['fma_over_dot']:.3f}" if "fma_over_dot" in row else ""))
     return out
 
 
