@@ -255,7 +255,8 @@ def main(argv=None) -> int:
                    "('' skips it): the shipped SmolLM2 drafter in bfloat16 after a --drafter-context slot context")
     p.add_argument("--drafter-context", type=int, default=300)
     p.add_argument("--layers", default="", help="row counts for the target's own linear layers through "
-                   "few_rows_linear in bfloat16, e.g. 1,4,8,12,16 ('' skips it)")
+                   "few_rows_linear in bfloat16 and its forced FMA / VDPBF16PS paths (where the CPU has them), "
+                   "e.g. 1,4,8,12,16 ('' skips it)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows, tokens, threads = _ints(args.rows), _ints(args.tokens), _ints(args.threads)

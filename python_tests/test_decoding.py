@@ -4,6 +4,7 @@ B > 1 with prompts of different lengths; stop tokens, stats and bad input."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -186,8 +187,9 @@ def chi2_quantile(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def peaked_by_depth(drafter, vocab: int):
-    """``drafter`` with 3 added to token ``d mod vocab``'s base logit at each drafted depth ``d``: its
+def peaked_by_depth(drafter):
+    """``drafter`` with 3 added to draft token ``d mod V`` 's base logit at each drafted depth ``d``
+    (``V``: the width of its base logits, a draft vocabulary's where it has one): its
     distributions differ from depth to depth and are peaked (a random tiny drafter's are nearly
     alike at every depth, so a mix-up of depths or temperatures would go unseen)."""
     forward = drafter.forward
@@ -213,7 +215,7 @@ def sample_and_check(method, temperature, top_p, budget, seed, curve=None, peake
     if draft_vocab is not None:
         drafter.set_draft_vocab(draft_vocab)
     if peaked:
-        drafter = peaked_by_depth(drafter, vocab)
+        drafter = peaked_by_depth(drafter)
     prompt = torch.tensor([1, 2, 3, 0, 2])
     expected = exact_counts(target, prompt, new, copies, temperature, top_p)
     if budget == "auto":  # nodes nearly free (or ``curve``): per-round trees from the calibrated scores, batch 3000
@@ -253,8 +255,12 @@ def test_sampled_draft_with_a_draft_vocabulary_matches_target(budget):
     """``sampled_draft`` with a reduced draft vocabulary (target ids 2, 0, 3; token 1 is never
     drafted, so q(1) = 0 and the residual keeps p(1)): each depth's distribution is drawn over the
     draft vocabulary and spread over the target's at its ids; the frequencies match the target's."""
-    out = sample_and_check("chain", 1.0, None, budget, 13, peaked=True, draft_vocab=[2, 0, 3], sampled_draft=True)
+    curve = {0: 10.0, 6000: 10.5, 9000: 20.0, 12000: 40.0}  # auto, batch 3000: steep past a node, so chains are cut
+    out = sample_and_check("chain", 1.0, None, budget, 13, curve=curve, peaked=True, draft_vocab=[2, 0, 3],
+                           sampled_draft=True)
     assert out.stats.tau > 1.2, "the sampled chains should be accepted at times, or the test proves little"
+    if budget == "auto":
+        assert statistics.mean(out.stats.tree_nodes) < 2, "the chains (3 nodes) should be cut, or this repeats budget=16"
 
 
 def test_sampled_draft_one_request_at_a_time_matches_target():

@@ -115,7 +115,7 @@ __attribute__((target("avx512f"))) void block_f32(const Problem<float>& p, int64
   // The first pass over this block's rows streams them from memory: fetch the next block's rows
   // meanwhile, a cache line per row a step (a hint: never faults, harmless past the matrix). On a
   // 2-vCPU Xeon this halved the time at 1 row and cut it by a third at 16 (bench/linear_speed.py).
-  const int64_t ahead = m0 == 0 ? NB * p.in : 0;
+  const int64_t ahead = m0 == 0 && n0 + 2 * NB <= p.out ? NB * p.in : 0;  // (none past the last block)
 #define DARTREE_FMA_F32(acc, x, w) _mm512_fmadd_ps(x, w, acc)
   int64_t k = 0;
   for (; k < full; k += 16) {
@@ -207,14 +207,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_bf16(const Probl
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  // Every pass over this block's rows fetches the next block's (block_f32 does it in the first
-  // pass only). In bfloat16 a pass is short, and prefetching only in the first of several (more
-  // input rows than one register block) left the memory idle in the others: on a 2-vCPU Zen 4
-  // EPYC, SmolLM2-135M's 211 linear layers took 19.1-21.5 ms at 12 rows against 16.2-16.8 with
-  // every pass prefetching, 22.4-26.7 against 17.9-18.4 at 16 (a repeated line is in flight or
-  // cached: cheap); 1-6 rows (one pass) are unchanged, and float32 measured no difference
-  // (bench/forward_speed.py --layers; docs/results/prefetch_passes_zen4.md).
-  const int64_t ahead = NB * p.in;
+  // Every pass over this block's rows fetches the next block's (block_f32 and the AVX2 kernels do
+  // it in the first pass only). In bfloat16 a pass is short, and prefetching only in the first of
+  // several (more input rows than one register block) left the memory idle in the others: on a
+  // 2-vCPU Zen 4 EPYC, SmolLM2-135M's 211 linear layers took 19.1-21.5 ms at 12 rows against
+  // 16.2-16.8 with every pass prefetching, 22.4-26.7 against 17.9-18.4 at 16 (a repeated line is
+  // in flight or cached: cheap); 1-6 rows (one pass) are unchanged (bench/forward_speed.py
+  // --layers; docs/results/prefetch_passes_zen4.md). One-off timings of float32 and of the AVX2
+  // kernels moved nothing beyond noise, so they keep the first-pass prefetch. The last block has
+  // no next block to fetch (no pointer past the weights is formed).
+  const int64_t ahead = n0 + 2 * NB <= p.out ? NB * p.in : 0;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t k = 0;
   for (; k < pairs; k += 32) {
@@ -264,7 +266,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_bf16_
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  const int64_t ahead = NB * p.in;  // every pass: see block_bf16
+  const int64_t ahead = n0 + 2 * NB <= p.out ? NB * p.in : 0;  // every pass: see block_bf16
   int64_t k = 0;
   for (; k < pairs; k += 32) {
     __m512bh w[NB];
@@ -414,7 +416,7 @@ __attribute__((target("avx2,fma"))) void block_f32_avx2(const Problem<float>& p,
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
   const int64_t full = p.in / 16 * 16;
-  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  const int64_t ahead = m0 == 0 && n0 + 2 * NB <= p.out ? NB * p.in : 0;  // see block_f32
   int64_t k = 0;
   for (; k < full; k += 16) {
     if (ahead != 0) {
@@ -460,7 +462,7 @@ __attribute__((target("avx2,fma"))) void block_bf16_avx2(const Problem<c10::BFlo
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
   const int64_t pairs = p.in / 32 * 32;
-  const int64_t ahead = m0 == 0 ? NB * p.in : 0;  // see block_f32
+  const int64_t ahead = m0 == 0 && n0 + 2 * NB <= p.out ? NB * p.in : 0;  // see block_f32
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t k = 0;
   for (; k < pairs; k += 32) {
