@@ -321,6 +321,7 @@ def test_sampled_draft_cut_does_not_look_at_the_drawn_tokens(setup):
              for s in (0, 1)]
     assert not torch.equal(trees[0].tokens, trees[1].tokens)
     assert torch.equal(trees[0].scores, trees[1].scores)
+    assert torch.equal(trees[0].scores, dec.build_tree(None, base_logits, root).scores)  # the top-1 chain's
     cuts = [dec.choose_tree(t, 16)[1] for t in trees]
     assert cuts[0] == cuts[1] and 0 < cuts[0] < 15
 

@@ -217,12 +217,21 @@ def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K
 
 def _chain_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> Tree:
     """A chain: ``root int64[B]`` then ``tokens int64[B, D]`` below it, each node the child of the one
-    before; ``scores [B, D + 1]``. ``D = 0``: the root alone (a plain step)."""
+    before; ``scores [B, D + 1]``."""
     batch, n = root.shape[0], tokens.shape[1] + 1
     steps = torch.arange(n, device=root.device, dtype=torch.int32).expand(batch, n)
     return Tree(tokens=torch.cat([root[:, None], tokens.to(root.device)], 1), parents=(steps - 1).contiguous(),
                 depths=steps.contiguous(), scores=scores,
                 num_nodes=torch.full((batch,), n, dtype=torch.int32, device=root.device))
+
+
+def _top1_chain(base_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each depth's most likely draft token ``int64[B, D]`` and the chain's path log-probabilities
+    ``[B, D + 1]`` (0 at the root, then the cumulative top-1 log-probability): the scores the
+    calibrated estimate cuts a chain by, greedy or sampled (:meth:`SpeculativeDecoder._sampled_chain`)."""
+    top = torch.log_softmax(base_logits.float(), -1).max(-1)
+    root = torch.zeros(base_logits.shape[0], 1, device=base_logits.device)
+    return top.indices, torch.cat([root, top.values.cumsum(1)], 1)
 
 
 @dataclasses.dataclass
@@ -603,9 +612,8 @@ class SpeculativeDecoder:
         if m == "chain":
             n = depth + 1
             if self.auto:  # path log-probabilities, for the calibrated acceptance estimate
-                top = torch.log_softmax(base_logits.float(), -1).max(-1)
-                tokens, scores = ids(top.indices), torch.cat([torch.zeros(batch, 1, device=device),
-                                                              top.values.cumsum(1)], 1)
+                tokens, scores = _top1_chain(base_logits)
+                tokens, scores = ids(tokens), scores.to(device)
             else:
                 tokens, scores = ids(base_logits.argmax(-1)), torch.zeros(batch, n, device=device)
             return _chain_tree(root, tokens, scores)
@@ -643,7 +651,11 @@ class SpeculativeDecoder:
 
     def plain_tree(self, root: torch.Tensor) -> Tree:
         """The root alone: a plain decoding step."""
-        return _chain_tree(root, root.new_empty(root.shape[0], 0), torch.zeros(root.shape[0], 1, device=root.device))
+        batch, device = root.shape[0], root.device  # (not _chain_tree: every round of `ar` builds one)
+        return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
+                    depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+                    scores=torch.zeros(batch, 1, device=device),
+                    num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
 
     def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
         """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
@@ -1093,11 +1105,10 @@ class SpeculativeDecoder:
         verified only when it is a likely one is no longer a draw from q)."""
         q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
         drawn = sample_from_probs(q, sampling.get("generator"))
-        logq = torch.log_softmax(base_logits.float(), -1).amax(-1)  # depends on the drafter's pass alone
+        _, scores = _top1_chain(base_logits)  # depends on the drafter's pass alone
         if vocab is not None:
             drawn = vocab.to(drawn.device)[drawn]
-        scores = torch.cat([torch.zeros(root.shape[0], 1, device=root.device), logq.cumsum(1)], 1)
-        return _chain_tree(root, drawn, scores), _DraftQ(q, vocab)
+        return _chain_tree(root, drawn, scores.to(root.device)), _DraftQ(q, vocab)
 
     @staticmethod
     def _children_and_q(tree: Tree, draft_q: _DraftQ, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
