@@ -22,7 +22,7 @@ from dartree_ext.training.eagle import Eagle3Objective, eagle3_soft_ce, eagle3_w
 from dartree_ext.vat import vat_loss  # noqa: E402
 
 from models import greedy_reference, tiny_target  # noqa: E402
-from test_decoding import assert_matches_target, check_greedy, exact_counts, left_pad, sampling_target  # noqa: E402
+from test_decoding import assert_matches_target, check_greedy, exact_counts, sampling_target  # noqa: E402
 
 NEW = 24
 STEPS = 4
@@ -94,6 +94,40 @@ def test_training_time_test_matches_step_by_step_reference():
                 for k in range(STEPS):
                     torch.testing.assert_close(outs[k][s, root + k], ref[k], atol=1e-5, rtol=1e-4,
                                                msg=f"sequence {s}, root {root}, step {k + 1}")
+
+
+def test_unroll_at_roots_equals_the_unroll_at_every_index():
+    """``unroll_blocks`` (the layer on the sampled roots' paths only, what training runs) gives
+    the rows ``forward`` gives at every index, and the same gradients, for roots anywhere (index
+    0, repeated, near the end: rows past the sequence are left out). In float64 the rows agree to
+    rounding; the gradients to float32's (the RMSNorms compute in float32, and a root's input is
+    normed twice here, once for its query and once among every index's keys, where ``forward``
+    norms it once)."""
+    from dartree_ext.training.eagle import block_hidden
+    target = tiny_target("llama", layers=4)
+    drafter = eagle3_drafter(target).double().train()
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 97, (2, 13), generator=gen)
+    features = torch.randn(2, 13, 3 * 32, generator=gen, dtype=torch.float64)
+    roots = torch.tensor([[0, 3, 3, 11], [1, 2, 7, 12]])
+    valid = ((roots[..., None] + torch.arange(STEPS)) < 13).reshape(-1, STEPS)
+    assert not valid.all()  # the test covers rows past the end
+    probe = torch.randn(roots.numel(), STEPS, 32, generator=gen, dtype=torch.float64)
+    grads = []
+    for unroll in (lambda: drafter.unroll_blocks(features, tokens, roots),
+                   lambda: block_hidden(drafter(features, tokens), roots)):
+        drafter.zero_grad(set_to_none=True)
+        rows = unroll()
+        assert rows.shape == (roots.numel(), STEPS, 32)
+        (torch.where(valid[..., None], rows, 0.0) * probe).sum().backward()
+        grads.append((rows.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (sparse, sparse_grads), (dense, dense_grads) = grads
+    torch.testing.assert_close(sparse[valid], dense[valid], atol=1e-12, rtol=1e-10)
+    assert sparse_grads.keys() == dense_grads.keys() and sparse_grads
+    for name, grad in dense_grads.items():
+        scale = float(grad.abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(sparse_grads[name], grad, atol=1e-6 * scale, rtol=1e-5, msg=name)
 
 
 def test_decoding_drafts_what_the_training_time_test_trains():

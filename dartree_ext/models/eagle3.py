@@ -257,3 +257,36 @@ class Eagle3Drafter(TargetAttached, nn.Module):
             outs.append(out)
             hidden = torch.cat([out.new_zeros(s, 1, out.shape[-1]), out[:, :-1]], 1)  # step k at i-1 feeds i
         return outs
+
+    def unroll_blocks(self, features: torch.Tensor, tokens: torch.Tensor, roots: torch.Tensor,
+                      steps: int | None = None) -> torch.Tensor:
+        """The training-time test at some roots only: ``roots int64[S, n]`` (indices into
+        ``tokens [S, T]``) -> ``[S * n, steps, H]``, step ``k`` of root ``r`` being what
+        :meth:`forward` gives at index ``r + k - 1`` (wherever ``r + k - 1 < T``; past the end the
+        index is clamped and the row means nothing). Only step 1's keys and values come from every
+        index; the layer itself runs on the roots' own paths, ``n * steps`` rows a sequence where
+        :meth:`forward` runs ``steps * T`` and attends over ``steps * T`` keys."""
+        steps = steps or self.config.num_steps
+        s, t = tokens.shape
+        n = roots.shape[1]
+        dev = tokens.device
+        fused = self.fuse_features(features)
+        hidden_all = torch.cat([fused.new_zeros(s, 1, fused.shape[-1]), fused[:, :-1]], 1)
+        emb_all = self.embed(tokens)
+        keys, values = self.layer.kv(hidden_all, emb_all, (torch.arange(t, device=dev) - 1)[None].expand(s, -1))
+        seq = torch.arange(s, device=dev)[:, None]
+        index = torch.arange(t, device=dev)[None, None]
+        root = roots[..., None]
+        visible = [(index <= root) & ((index >= 1) | (root == 0))]          # step 1's keys: 1 .. r (0 if r = 0)
+        own = torch.eye(n, dtype=torch.bool, device=dev).expand(s, n, n)     # a path key: its own block's
+        hidden, outs = hidden_all[seq, roots.clamp(max=t - 1)], []
+        for k in range(1, steps + 1):
+            at = (roots + k - 1).clamp(max=t - 1)
+            mask = torch.cat(visible + [own if k > 1 else torch.zeros_like(own)], -1)
+            out, key, value = self.layer(hidden, emb_all[seq, at], at - 1, keys, values, mask)
+            if k > 1:  # step 1's own key is already among ``keys``
+                keys, values = torch.cat([keys, key], 2), torch.cat([values, value], 2)
+                visible.append(own)
+            outs.append(out)
+            hidden = out
+        return torch.stack(outs, 2).reshape(s * n, steps, -1)

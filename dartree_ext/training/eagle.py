@@ -1,9 +1,11 @@
 """Training an :class:`~dartree_ext.models.eagle3.Eagle3Drafter` with the training-time test.
 
-The drafter is unrolled ``K = num_steps`` steps over whole sequences (its ``forward``): step 1
-reads the target's fused features, step ``k > 1`` its own step ``k - 1`` hidden state at the
-previous index, every step the data's token embeddings. The block of a sampled root ``r`` is the
-``K`` predictions of ``x[r + 1 .. r + K]``: step ``k`` at index ``r + k - 1``. Losses:
+The drafter is unrolled ``K = num_steps`` steps from each sampled root: step 1 reads the target's
+fused features, step ``k > 1`` its own step ``k - 1`` hidden state at the previous index, every
+step the data's token embeddings. The block of a sampled root ``r`` is the ``K`` predictions of
+``x[r + 1 .. r + K]``: step ``k`` at index ``r + k - 1``. Only the sampled roots' paths are run
+(:meth:`~dartree_ext.models.eagle3.Eagle3Drafter.unroll_blocks`; the drafter's ``forward`` runs
+every step at every index and gives the same rows). Losses:
 
 * ``eagle3`` (EAGLE-3's): ``sum_k 0.8^(k-1) CE(p_k, q_k)`` (soft labels: the target's
   distribution), averaged over blocks; the verification head is trained alongside on detached
@@ -64,8 +66,7 @@ class Eagle3Objective(nn.Module):
     def forward(self, batch, tb, generator: torch.Generator | None = None) -> dict:
         d, cfg = self.drafter, self.cfg
         device = tb.features.device
-        outs = d(tb.features, batch.sequences.to(device))
-        normed, logits = d.head(block_hidden(outs, batch.anchors.to(device)))
+        normed, logits = d.head(d.unroll_blocks(tb.features, batch.sequences.to(device), batch.anchors.to(device)))
         labels = torch.where(tb.valid, tb.labels, 0)
         target_logits = tb.logits.to(logits.dtype)
         opts = dict(rule=cfg.rule, vh_weight=cfg.vh_weight, generator=generator)
