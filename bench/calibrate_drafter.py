@@ -18,7 +18,7 @@ import torch
 
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
 from dartree_ext.decoding.cost import DepthCalibrator, CostModel
-from dartree_ext.decoding.decoder import AUTO_METHODS
+from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models.drafter import CALIBRATION_NAME
 
@@ -31,7 +31,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--methods", default=",".join(AUTO_METHODS))
+    p.add_argument("--width", type=int, default=12, help="the trees' width (EAGLE-3: frontier nodes a step)")
+    p.add_argument("--K", type=int, default=64, help="candidates per position (EAGLE-3: children per node, at most W)")
+    p.add_argument("--methods", default=None, help="comma-separated; default: every budget='auto' method the "
+                   "drafter fits (the block methods, or eagle3 and eagle3_vh for an EAGLE-3 drafter)")
     args = p.parse_args(argv)
     from dartree_ext.data.prompts import training_prompts
     loaded = load_target(args.target, dtype=getattr(torch, args.dtype))
@@ -44,11 +47,13 @@ def main(argv=None) -> int:
     prompts = [encode_prompt(tok, pr.text) for pr in pool[::step][:args.num_prompts]]
     free = CostModel.from_curve({0: 10.0, 10 ** 6: 10.001})
     out = {}
-    for method in [m for m in args.methods.split(",") if m]:
+    methods = args.methods.split(",") if args.methods else [m for m in AUTO_METHODS if m != "lookup"
+                                                            and drafter_fits(m, drafter)]
+    for method in [m for m in methods if m]:
         for regime, temperature in (("greedy", 0.0), ("sample", 1.0)):
             cal = DepthCalibrator.fresh()
             dec = SpeculativeDecoder(target, drafter, method, budget="auto", max_budget=args.budget, cost_model=free,
-                                     calibrator=cal)
+                                     calibrator=cal, width=args.width, K=args.K)
             gen = torch.Generator().manual_seed(0)
             for ids in prompts:
                 dec.generate(*left_pad([ids]), max_new_tokens=args.max_new_tokens, temperature=temperature,

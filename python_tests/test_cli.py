@@ -196,10 +196,10 @@ def test_e2e_bench_compares_drafters_side_by_side(tmp_path, capsys):
     assert code == 0
     assert [r["method"] for r in json.load(open(result))] == ["ar", "chain@blk", "eagle3@e3"]
     capsys.readouterr()
-    code = e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "auto", "--methods", "chain,eagle3",
-                     "--drafter", f"blk={dirs[0]},e3={e3}", "--json", str(result)])
-    assert code == 0 and "skipping eagle3@e3: budget='auto'" in capsys.readouterr().out
-    assert [r["method"] for r in json.load(open(result))] == ["ar", "chain@blk"]
+    code = e2e.main(["--num-prompts", "1", "--max-new-tokens", "4", "--budget", "auto", "--width", "4", "--K", "4",
+                     "--methods", "chain,seq_heap,eagle3", "--drafter", f"blk={dirs[0]},e3={e3}", "--json", str(result)])
+    assert code == 0 and "skipping seq_heap@blk: budget='auto'" in capsys.readouterr().out
+    assert [r["method"] for r in json.load(open(result))] == ["ar", "chain@blk", "eagle3@e3"]
     with pytest.raises(SystemExit, match="label=DIR"):
         e2e.parse_drafters("one=,two=x")
     with pytest.raises(SystemExit, match="repeated"):

@@ -17,7 +17,7 @@ from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
 from dartree_ext.decoding.cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator,  # noqa: E402
                                        choose_size)
-from dartree_ext.decoding.decoder import AUTO_METHODS, PROBE_DEPTH  # noqa: E402
+from dartree_ext.decoding.decoder import AUTO_METHODS, EAGLE3_METHODS, PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
 from test_decoding import NEW, check_greedy, setup  # noqa: E402,F401  (setup: the fixture)
@@ -475,6 +475,7 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
 # decoding with budget="auto" -------------------------------------------------------------------
 TREES_PAY = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)     # nodes nearly free: big trees
 PLAIN_WINS = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
+BLOCK_AUTO_METHODS = [m for m in AUTO_METHODS if m != "lookup" and m not in EAGLE3_METHODS]  # (EAGLE-3: test_eagle3.py)
 
 
 @pytest.mark.parametrize("estimator", ["score", "adaptive"])
@@ -611,7 +612,7 @@ def test_depth_calibrator_classes_and_saved_states():
         DepthCalibrator.from_state({"by_depth": []})
 
 
-@pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])
+@pytest.mark.parametrize("method", BLOCK_AUTO_METHODS)
 def test_auto_budget_lossless_with_long_paths(setup, method):
     target, drafter, prompts, refs = setup
     oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
@@ -652,7 +653,7 @@ def test_running_costs_follow_the_rounds(setup):
     assert given._verify_scale is None and given._drafted_ms is None
 
 
-@pytest.mark.parametrize("method", [m for m in AUTO_METHODS if m != "lookup"])
+@pytest.mark.parametrize("method", BLOCK_AUTO_METHODS)
 def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
     target, drafter, prompts, refs = setup
     dec = SpeculativeDecoder(target, drafter, method, budget="auto", width=4, K=8, cost_model=PLAIN_WINS,

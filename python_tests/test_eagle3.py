@@ -411,6 +411,59 @@ def test_greedy_equals_generate(setup, method):
         assert all(n <= 16 for n in out.stats.tree_nodes)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle3_vh"])
+def test_auto_budget_lossless_and_sized(setup, method):
+    """``budget="auto"``: with nodes nearly free the trained drafter's trees are kept (long
+    accepted paths, trees within max_budget, the calibration learns); where no tree pays (the
+    untrained drafter under a curve where one node triples a round) the rounds are plain steps
+    and the drafter rests, a probe drafting at most PROBE_DEPTH steps.
+    Greedy output equals the target's every time (batch 3, different lengths)."""
+    from dartree_ext.decoding.cost import CostModel
+    from dartree_ext.decoding.decoder import PROBE_DEPTH
+    target, random_drafter, trained, prompts, refs = setup
+    pay = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)
+    dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=pay,
+                             lookup=0)
+    out = check_greedy(dec, prompts, refs)
+    assert out.stats.tau > 2.0 and max(out.stats.tree_nodes) <= 24
+    assert out.stats.plain_rounds == 0 or method == "eagle3_vh"  # (rounds where the head's exit kept no step)
+    assert dec.calibrator.trials.sum() > 0
+    plain = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
+    dec = SpeculativeDecoder(target, random_drafter, method, budget="auto", width=4, K=8, cost_model=plain, lookup=0)
+    steps = []
+    draft = decoder_module.eagle3_draft
+    decoder_module.eagle3_draft = lambda *a, **kw: steps.append((dec._backoff, kw["steps"])) or draft(*a, **kw)
+    try:
+        out = check_greedy(dec, prompts, refs)
+    finally:
+        decoder_module.eagle3_draft = draft
+    assert out.stats.plain_rounds > out.stats.rounds // 2 and out.stats.tau < 1.3
+    assert 0 < len(steps) < out.stats.rounds // 3
+    assert steps[0] == (0, STEPS) and all(s <= PROBE_DEPTH for backoff, s in steps if backoff)
+    assert any(backoff for backoff, _ in steps)
+
+
+def test_auto_budget_drafts_as_deep_as_recent_trees(setup):
+    """After 4 rounds an EAGLE-3 round drafts 2 steps deeper than its recent trees went: with
+    trees cut to 2 nodes by the curve (one request), every later draft runs at most 4 of the
+    drafter's 8 steps."""
+    from dartree_ext.decoding.cost import CostModel
+    target, _, trained, prompts, refs = setup
+    drafter = eagle3_drafter(target, num_steps=8)
+    drafter.load_state_dict(trained.state_dict())
+    two = CostModel.from_curve({0: 10.0, 2: 10.0, 3: 100.0, 64: 200.0}, draft_ms=0.1)
+    dec = SpeculativeDecoder(target, drafter, "eagle3", budget="auto", width=4, K=8, cost_model=two, lookup=0)
+    steps = []
+    draft = decoder_module.eagle3_draft
+    decoder_module.eagle3_draft = lambda *a, **kw: steps.append(kw["steps"]) or draft(*a, **kw)
+    try:
+        out = check_greedy(dec, prompts[:1], refs[:1])
+    finally:
+        decoder_module.eagle3_draft = draft
+    assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
+    assert steps[:4] == [8] * 4 and max(steps[4:]) <= 4
+
+
 def test_draft_vocab_lookup_and_stop_token(setup):
     target, _, trained, prompts, refs = setup
     d = eagle3_drafter(target)
@@ -511,21 +564,27 @@ def test_stop_rule_is_for_eagle3_vh_only(setup):
         SpeculativeDecoder(target, trained, "eagle3", early_exit=oracle_stop_rule([]))
 
 
-@pytest.mark.parametrize("method,temperature,top_p", [("eagle3", 1.0, None), ("eagle3_vh", 0.7, 0.9)])
-def test_sampling_distribution_matches_target(method, temperature, top_p):
+@pytest.mark.parametrize("method,temperature,top_p,budget", [("eagle3", 1.0, None, 8), ("eagle3_vh", 0.7, 0.9, 8),
+                                                              ("eagle3", 1.0, None, "auto")])
+def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
     """As the block methods' test: 3 tokens for 3000 copies of one prompt over a 4-token
-    vocabulary against the target's exact sequence probabilities (chi-square)."""
+    vocabulary against the target's exact sequence probabilities (chi-square); with
+    ``budget="auto"`` each round's tree is cut by the chooser (a curve where nodes cost little)."""
+    from dartree_ext.decoding.cost import CostModel
     vocab, new, copies = 4, 3, 3000
     target = sampling_target(vocab)
     drafter = eagle3_drafter(target, seed=4, num_steps=3, target_layer_ids=(0, 1, 2))
     prompt = torch.tensor([1, 2, 3, 0, 2])
     expected = exact_counts(target, prompt, new, copies, temperature, top_p)
-    dec = SpeculativeDecoder(target, drafter, method, budget=8, width=2, K=4,
-                             early_exit=0.3 if method == "eagle3_vh" else None)
+    dec = SpeculativeDecoder(target, drafter, method, budget=budget, width=2, K=4, max_budget=8,
+                             early_exit=0.3 if method == "eagle3_vh" else None,
+                             cost_model=CostModel.from_curve({0: 10.0, 4096: 12.0}, draft_ms=0.5))
     out = dec.generate(prompt.expand(copies, -1).contiguous(), max_new_tokens=new, temperature=temperature,
                        top_p=top_p, generator=torch.Generator().manual_seed(11))
     assert_matches_target(out.sequences[:, prompt.numel():], expected, vocab)
     assert out.stats.tau > 1.2, "the draft trees should be accepted at times, or the test proves little"
+    if budget == "auto":
+        assert out.stats.auto_rounds > 0 and 0 < min(out.stats.tree_nodes) and max(out.stats.tree_nodes) <= 8
 
 
 # persistence and bad input -------------------------------------------------------------------------
@@ -578,11 +637,6 @@ def test_bad_input(setup, tmp_path):
         SpeculativeDecoder(target, drafter, "eagle3", width=(4, 2))
     with pytest.raises(ValueError, match="drafts up to 3*"):
         SpeculativeDecoder(target, drafter, "eagle3", width=64, K=64)
-    with pytest.raises(ValueError, match="budget='auto' supports"):
-        SpeculativeDecoder(target, drafter, "eagle3", budget="auto")
-    from dartree_ext.decoding.cost import measure_cost_model
-    with pytest.raises(ValueError, match="fixed budget"):
-        measure_cost_model(target, drafter)
     cfg = TrainConfig(out_dir="unused", loss="dflash_typo", progress=False)
     sampler = BlockSampler([{"id": "a", "prompt": [1, 2], "response": [3, 4, 5]}], 5, 1, 1)
     with pytest.raises(ValueError, match="an EAGLE-3 drafter trains with loss"):

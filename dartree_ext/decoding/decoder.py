@@ -52,7 +52,7 @@ METHODS = ("ar", "lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed"
 EAGLE3_METHODS = ("eagle3", "eagle3_vh")  # dynamic trees of an Eagle3Drafter (the others take a BlockDrafter)
 ALL_METHODS = METHODS + EAGLE3_METHODS
 EAGLE3_EARLY_EXIT = 0.5  # eagle3_vh: the verification head's default threshold
-AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree")
+AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "eagle3", "eagle3_vh")
 DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
 DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 CALIBRATION_PRIOR_TRIALS = 32.0
@@ -814,9 +814,9 @@ class SpeculativeDecoder:
 
     def _ensure_cost_model(self) -> None:
         if self.auto and self.cost_model is None:
-            self.cost_model = cached_cost_model(
+            self.cost_model = cached_cost_model(  # auto: trees built at max_budget nodes
                 self.target, self.drafter, methods=[self.method], progress=True,
-                tree_builders={self.method: self.build_tree})  # auto: built at max_budget nodes
+                tree_builders=None if self._eagle3 else {self.method: self.build_tree})
 
     # generation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -965,9 +965,10 @@ class SpeculativeDecoder:
             if state.pending:
                 self._flush_context(state)
             self._ensure_context(state)
-            if self._eagle3:
+            if self._eagle3:  # with budget="auto", only the steps recent trees reached + 2 (_draft_depth)
+                steps = self.drafter.config.num_steps
                 draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
-                                     early_exit=self.early_exit)
+                                     early_exit=self.early_exit, steps=self._draft_depth(steps) if self.auto else steps)
                 run.tick("draft")
                 return draft
             slot = torch.arange(state.cache_len, device=run.device)
@@ -1053,8 +1054,13 @@ class SpeculativeDecoder:
             width = int(tree.num_nodes.max())  # early exit: no padding columns for the target to run
             tree = Tree(*(t[:, :width].contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.scores)),
                         tree.num_nodes)
+            chosen = None
+            if self.auto and width == 1:  # the head's early exit kept no step: a plain step, no back-off
+                chosen = 0
+            elif self.auto:
+                tree, chosen = self._choose(state, tree, None)
             run.tick("tree")
-            return tree, None
+            return tree, chosen
         if run.drafting and draft is None:
             run.tick("tree")
             return self.plain_tree(state.root), 0
@@ -1081,14 +1087,20 @@ class SpeculativeDecoder:
             tree = dataclasses.replace(tree, num_nodes=num, depths=torch.where(live, tree.depths, -1))
         chosen = None
         if self.auto:
-            state.full_tree = tree
-            tree, chosen = self.choose_tree(tree, state.cache_len, prob if self.estimator == "vh" else None)
-            if chosen == 0:  # no tree pays: plain steps, drafting again after a back-off
-                self._backoff = next_backoff(self._backoff)
-                self._skip = self._backoff
-            else:
-                self._backoff = 0  # _retire records the verified tree's depth
+            tree, chosen = self._choose(state, tree, prob if self.estimator == "vh" else None)
         run.tick("tree")
+        return tree, chosen
+
+    def _choose(self, state: _Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
+        """``budget="auto"``: :meth:`choose_tree` on a drafted tree, and the back-off after a plain
+        step (``n = 0``: no tree pays; the drafter rests 1, 2, 4, ... rounds)."""
+        state.full_tree = tree
+        tree, chosen = self.choose_tree(tree, state.cache_len, accept_prob)
+        if chosen == 0:
+            self._backoff = next_backoff(self._backoff)
+            self._skip = self._backoff
+        else:
+            self._backoff = 0  # _retire records the verified tree's depth
         return tree, chosen
 
     def _sampled_chain(self, base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Tensor | None,

@@ -134,11 +134,12 @@ def _as_tree(tokens: list, parents: list, depths: list, scores: list, count: int
                 scores=torch.where(live, scores, float("-inf")), num_nodes=num_nodes.to(torch.int32))
 
 
-def eagle3_draft(drafter, state, *, width: int, children: int, early_exit: float | None) -> Tree:
+def eagle3_draft(drafter, state, *, width: int, children: int, early_exit: float | None,
+                 steps: int | None = None) -> Tree:
     """:func:`draft_eagle3_tree` for every row of a decoder batch ``state`` (its context, keys and
-    values per committed slot; ``num_steps`` steps)."""
+    values per committed slot; ``steps`` steps, default the drafter's ``num_steps``)."""
     n = state.cache_len
     last_slot = torch.where(state.length > state.pad, state.length - 1, -1)
     return draft_eagle3_tree(drafter, state.root, state.position, state.context[:, :n], state.context_kv[0][:, :n],
-                             state.past_valid, last_slot, steps=drafter.config.num_steps, width=width,
+                             state.past_valid, last_slot, steps=steps or drafter.config.num_steps, width=width,
                              children=children, early_exit=early_exit)
