@@ -120,8 +120,8 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
     ``dartree-generate`` and ``bench/e2e.py``)."""
     parser.add_argument("--budget", type=budget_arg, default=budget_default,
                         help=f"draft nodes per round (B), or 'auto' (each round's tree sized by the measured cost "
-                             f"model; methods chain, chain_corrected, ddtree, dartree_fixed, dartree). Default "
-                             f"{budget_default}")
+                             f"model; methods chain, chain_corrected, ddtree, dartree_fixed, dartree, eagle3, "
+                             f"eagle3_vh). Default {budget_default}")
     parser.add_argument("--width", type=parse_width, default=12, help="dartree's W, or per-depth widths w1,w2,... "
                         "(the last repeats), e.g. 32,12")
     parser.add_argument("--K", type=int, default=64, help="candidates per drafted position")
@@ -438,6 +438,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
     from .decoding import SpeculativeDecoder
     from .decoding.cost import DEFAULT_CONTEXTS, DEFAULT_NODES, _key_path, cached_cost_model, cost_key, measure_cost_model
+    from .decoding.decoder import drafter_fits
+    from .models import Eagle3Drafter
     from .linear import set_linear
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
@@ -450,8 +452,11 @@ def profile_main(argv: list[str] | None = None) -> int:
                          device=args.device)
     set_linear(loaded.target, args.linear)
     drafter = load_drafter(args.drafter or shipped_drafter(loaded.name), loaded.target).to(device=args.device)
+    eagle3 = isinstance(drafter, Eagle3Drafter)
+    if eagle3:  # its drafting is priced by the decoder's own rounds: only the curve is timed
+        methods = [m for m in methods if drafter_fits(m, drafter)] or ["eagle3"]
     builders = {m: SpeculativeDecoder(loaded.target, drafter, m, budget=max(1, max(nodes))).build_tree
-                for m in methods if m != "ar"}
+                for m in methods if m != "ar" and not eagle3}
     kw = dict(methods=methods, nodes=nodes, contexts=contexts, progress=True, tree_builders=builders,
               **({} if args.reps is None else {"reps": args.reps}))
     if args.target == "smollm2-arch":  # random weights: never cache under a real model's key
@@ -459,9 +464,10 @@ def profile_main(argv: list[str] | None = None) -> int:
     else:
         cost = cached_cost_model(loaded.target, drafter, refresh=args.refresh, **kw)
         print(f"cached at {_key_path(cost_key(loaded.target, drafter, args.device, nodes, contexts, methods))}")
-    print(f"{loaded.name} {args.dtype} ({args.linear} linear) on {cost.meta.get('device')} ({cost.meta.get('threads')} threads): "
-          f"drafter pass {cost.draft_ms:.2f} ms; tree " +
-          ", ".join(f"{m} {v:.2f} ms" for m, v in cost.tree_ms.items()))
+    drafting = ("EAGLE-3 drafting not timed here (the decoder prices it by its own rounds)" if eagle3 else
+                f"drafter pass {cost.draft_ms:.2f} ms; tree " + ", ".join(f"{m} {v:.2f} ms" for m, v in cost.tree_ms.items()))
+    print(f"{loaded.name} {args.dtype} ({args.linear} linear) on {cost.meta.get('device')} "
+          f"({cost.meta.get('threads')} threads): {drafting}")
     print("target forward ms (root + n nodes):")
     print("  context " + " ".join(f"{n:>7d}" for n in cost.nodes))
     for c, row in zip(cost.contexts, cost.verify_ms):

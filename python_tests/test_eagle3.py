@@ -422,10 +422,10 @@ def test_auto_budget_lossless_and_sized(setup, method):
     from dartree_ext.decoding.decoder import PROBE_DEPTH
     target, random_drafter, trained, prompts, refs = setup
     pay = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)
-    dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=pay,
-                             lookup=0)
+    dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=pay)
+    assert dec.lookup > 0  # auto's default context-lookup branch grafted into the EAGLE-3 trees
     out = check_greedy(dec, prompts, refs)
-    assert out.stats.tau > 2.0 and max(out.stats.tree_nodes) <= 24
+    assert out.stats.tau > 2.0 and max(out.stats.tree_nodes) <= 24 + dec.lookup and out.stats.lookup_rounds > 0
     assert out.stats.plain_rounds == 0 or method == "eagle3_vh"  # (rounds where the head's exit kept no step)
     assert dec.calibrator.trials.sum() > 0
     plain = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
@@ -462,6 +462,42 @@ def test_auto_budget_drafts_as_deep_as_recent_trees(setup):
         decoder_module.eagle3_draft = draft
     assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
     assert steps[:4] == [8] * 4 and max(steps[4:]) <= 4
+
+
+def test_auto_budget_when_the_exit_keeps_nothing(setup):
+    """eagle3_vh under ``budget="auto"`` with a stop rule that stops every row before step 1:
+    every round is a plain step, the drafter still runs each round (no rest: the exit, not the
+    chooser, said no), nothing is calibrated; the output is the target's."""
+    from dartree_ext.decoding.cost import CostModel
+    target, _, trained, prompts, refs = setup
+    never = lambda step, root, position, paths: torch.ones(root.shape[0], dtype=torch.bool)  # noqa: E731
+    dec = SpeculativeDecoder(target, trained, "eagle3_vh", budget="auto", width=4, K=8, early_exit=never, lookup=0,
+                             cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
+    calls = []
+    draft = decoder_module.eagle3_draft
+    decoder_module.eagle3_draft = lambda *a, **kw: calls.append(kw["steps"]) or draft(*a, **kw)
+    try:
+        out = check_greedy(dec, prompts, refs)
+    finally:
+        decoder_module.eagle3_draft = draft
+    assert out.stats.plain_rounds == sum(len(r.accepted) for r in out.stats.requests)  # every row, every round
+    assert len(calls) == max(len(r.accepted) for r in out.stats.requests) and dec._backoff == 0  # batch rounds
+    assert dec.calibrator.trials.sum() == 0
+
+
+def test_cost_model_of_an_eagle3_drafter(setup):
+    """The cost model times the target's curve for an EAGLE-3 drafter and leaves its drafting to
+    the decoder's running correction (draft_ms 0, no tree times), which the first drafted
+    round sets; estimator 'vh' (a block drafter's head per position) is refused."""
+    from dartree_ext.decoding.cost import measure_cost_model
+    target, _, trained, prompts, refs = setup
+    cost = measure_cost_model(target, trained, methods=["eagle3"], nodes=[0, 4, 8], contexts=[16], reps=1)
+    assert cost.draft_ms == 0.0 and cost.tree_ms == {} and len(cost.verify_ms[0]) == 3
+    dec = SpeculativeDecoder(target, trained, "eagle3", budget="auto", width=4, K=8, cost_model=cost, lookup=0)
+    check_greedy(dec, prompts[:1], refs[:1])
+    assert dec._drafted_ms is not None and dec._drafted_ms > 0
+    with pytest.raises(ValueError, match="estimator 'vh'"):
+        SpeculativeDecoder(target, trained, "eagle3_vh", budget="auto", estimator="vh")
 
 
 def test_draft_vocab_lookup_and_stop_token(setup):
@@ -565,7 +601,8 @@ def test_stop_rule_is_for_eagle3_vh_only(setup):
 
 
 @pytest.mark.parametrize("method,temperature,top_p,budget", [("eagle3", 1.0, None, 8), ("eagle3_vh", 0.7, 0.9, 8),
-                                                              ("eagle3", 1.0, None, "auto")])
+                                                              ("eagle3", 1.0, None, "auto"),
+                                                              ("eagle3_vh", 1.0, None, "auto")])
 def test_sampling_distribution_matches_target(method, temperature, top_p, budget):
     """As the block methods' test: 3 tokens for 3000 copies of one prompt over a 4-token
     vocabulary against the target's exact sequence probabilities (chi-square); with

@@ -543,6 +543,9 @@ class SpeculativeDecoder:
         width = canonical_width(width)
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+        if estimator == "vh" and method in EAGLE3_METHODS:
+            raise ValueError(f"estimator 'vh' reads a block drafter's per-position head probabilities; {method!r} "
+                             f"sizes its trees by calibrated scores ('score' or 'adaptive')")
         if callable(early_exit):
             if method != "eagle3_vh":
                 raise ValueError(f"a stop rule as early_exit (a callable) is for method 'eagle3_vh', not {method!r}; "
