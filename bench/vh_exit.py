@@ -97,13 +97,26 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--drafter", required=True, help="an EAGLE-3 drafter directory, or label=DIR,label=DIR")
+    p.add_argument("--drafter", default=None, help="an EAGLE-3 drafter directory, or label=DIR,label=DIR")
     p.add_argument("--sets", default="gsm8k,humaneval,mtbench", help="as bench/e2e.py --sets")
     p.add_argument("--num", type=int, default=10, help="responses per evaluation set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of both panels (needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="draw --plot from a --json this script wrote, without scoring anything")
     args = p.parse_args(argv)
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail before the scoring, not after it)
+    if args.from_json:
+        if not args.plot:
+            p.error("--from-json draws --plot: give both")
+        with open(args.from_json) as f:
+            results = json.load(f)["results"]
+        plot({label: rows["all"] for label, rows in results.items()}, args.plot)
+        return 0
+    if not args.drafter:
+        p.error("--drafter is required (or --from-json with --plot)")
     loaded = load_target(args.target)
     target, tok = loaded.target, loaded.tokenizer
     sys.path.insert(0, HERE)
