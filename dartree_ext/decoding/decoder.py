@@ -517,7 +517,9 @@ class SpeculativeDecoder:
     :class:`~dartree_ext.models.eagle3.Eagle3Drafter` and grow an EAGLE-2-style dynamic tree over
     its ``num_steps`` steps: each step expands the ``width`` best frontier nodes (cumulative
     drafter log-probability) with their ``min(K, width)`` most probable children; all drafted
-    nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`). ``eagle3_vh``
+    nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`); with
+    ``budget="auto"``, to ``max_budget``, then cut by the chooser as above, and a round drafts
+    only 2 steps deeper than its recent trees went (:meth:`_draft_depth`). ``eagle3_vh``
     stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
     default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there; its ``early_exit`` may
     also be a stop rule (:data:`~dartree_ext.decoding.eagle.StopRule`, e.g. an oracle that knows
