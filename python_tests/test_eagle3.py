@@ -22,6 +22,7 @@ from dartree_ext.training.eagle import Eagle3Objective, eagle3_soft_ce, eagle3_w
 from dartree_ext.vat import vat_loss  # noqa: E402
 
 from models import greedy_reference, tiny_target  # noqa: E402
+from test_cost import PLAIN_WINS, TREES_PAY  # noqa: E402
 from test_decoding import assert_matches_target, check_greedy, exact_counts, sampling_target  # noqa: E402
 
 NEW = 24
@@ -411,39 +412,44 @@ def test_greedy_equals_generate(setup, method):
         assert all(n <= 16 for n in out.stats.tree_nodes)
 
 
+def record_draft_steps(monkeypatch, dec=None) -> list:
+    """Each EAGLE-3 drafting call's ``steps`` (with ``dec``: ``(dec's back-off, steps)``), in order."""
+    calls, draft = [], decoder_module.eagle3_draft
+
+    def recording(*a, **kw):
+        calls.append(kw["steps"] if dec is None else (dec._backoff, kw["steps"]))
+        return draft(*a, **kw)
+
+    monkeypatch.setattr(decoder_module, "eagle3_draft", recording)
+    return calls
+
+
 @pytest.mark.parametrize("method", ["eagle3", "eagle3_vh"])
-def test_auto_budget_lossless_and_sized(setup, method):
+def test_auto_budget_lossless_and_sized(setup, method, monkeypatch):
     """``budget="auto"``: with nodes nearly free the trained drafter's trees are kept (long
     accepted paths, trees within max_budget, the calibration learns); where no tree pays (the
     untrained drafter under a curve where one node triples a round) the rounds are plain steps
     and the drafter rests, a probe drafting at most PROBE_DEPTH steps.
     Greedy output equals the target's every time (batch 3, different lengths)."""
-    from dartree_ext.decoding.cost import CostModel
     from dartree_ext.decoding.decoder import PROBE_DEPTH
     target, random_drafter, trained, prompts, refs = setup
-    pay = CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1)
-    dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=pay)
+    dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=TREES_PAY)
     assert dec.lookup > 0  # auto's default context-lookup branch grafted into the EAGLE-3 trees
     out = check_greedy(dec, prompts, refs)
     assert out.stats.tau > 2.0 and max(out.stats.tree_nodes) <= 24 + dec.lookup and out.stats.lookup_rounds > 0
     assert out.stats.plain_rounds == 0 or method == "eagle3_vh"  # (rounds where the head's exit kept no step)
     assert dec.calibrator.trials.sum() > 0
-    plain = CostModel.from_curve({0: 10.0, 1: 30.0, 4096: 40.0}, draft_ms=5.0)
-    dec = SpeculativeDecoder(target, random_drafter, method, budget="auto", width=4, K=8, cost_model=plain, lookup=0)
-    steps = []
-    draft = decoder_module.eagle3_draft
-    decoder_module.eagle3_draft = lambda *a, **kw: steps.append((dec._backoff, kw["steps"])) or draft(*a, **kw)
-    try:
-        out = check_greedy(dec, prompts, refs)
-    finally:
-        decoder_module.eagle3_draft = draft
+    dec = SpeculativeDecoder(target, random_drafter, method, budget="auto", width=4, K=8, cost_model=PLAIN_WINS,
+                             lookup=0)
+    steps = record_draft_steps(monkeypatch, dec)
+    out = check_greedy(dec, prompts, refs)
     assert out.stats.plain_rounds > out.stats.rounds // 2 and out.stats.tau < 1.3
     assert 0 < len(steps) < out.stats.rounds // 3
     assert steps[0] == (0, STEPS) and all(s <= PROBE_DEPTH for backoff, s in steps if backoff)
     assert any(backoff for backoff, _ in steps)
 
 
-def test_auto_budget_drafts_as_deep_as_recent_trees(setup):
+def test_auto_budget_drafts_as_deep_as_recent_trees(setup, monkeypatch):
     """After 4 rounds an EAGLE-3 round drafts 2 steps deeper than its recent trees went: with
     trees cut to 2 nodes by the curve (one request), every later draft runs at most 4 of the
     drafter's 8 steps."""
@@ -453,33 +459,22 @@ def test_auto_budget_drafts_as_deep_as_recent_trees(setup):
     drafter.load_state_dict(trained.state_dict())
     two = CostModel.from_curve({0: 10.0, 2: 10.0, 3: 100.0, 64: 200.0}, draft_ms=0.1)
     dec = SpeculativeDecoder(target, drafter, "eagle3", budget="auto", width=4, K=8, cost_model=two, lookup=0)
-    steps = []
-    draft = decoder_module.eagle3_draft
-    decoder_module.eagle3_draft = lambda *a, **kw: steps.append(kw["steps"]) or draft(*a, **kw)
-    try:
-        out = check_greedy(dec, prompts[:1], refs[:1])
-    finally:
-        decoder_module.eagle3_draft = draft
+    steps = record_draft_steps(monkeypatch)
+    out = check_greedy(dec, prompts[:1], refs[:1])
     assert max(out.stats.tree_nodes) <= 2 and out.stats.tau > 1.5
     assert steps[:4] == [8] * 4 and max(steps[4:]) <= 4
 
 
-def test_auto_budget_when_the_exit_keeps_nothing(setup):
+def test_auto_budget_when_the_exit_keeps_nothing(setup, monkeypatch):
     """eagle3_vh under ``budget="auto"`` with a stop rule that stops every row before step 1:
     every round is a plain step, the drafter still runs each round (no rest: the exit, not the
     chooser, said no), nothing is calibrated; the output is the target's."""
-    from dartree_ext.decoding.cost import CostModel
     target, _, trained, prompts, refs = setup
     never = lambda step, root, position, paths: torch.ones(root.shape[0], dtype=torch.bool)  # noqa: E731
     dec = SpeculativeDecoder(target, trained, "eagle3_vh", budget="auto", width=4, K=8, early_exit=never, lookup=0,
-                             cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
-    calls = []
-    draft = decoder_module.eagle3_draft
-    decoder_module.eagle3_draft = lambda *a, **kw: calls.append(kw["steps"]) or draft(*a, **kw)
-    try:
-        out = check_greedy(dec, prompts, refs)
-    finally:
-        decoder_module.eagle3_draft = draft
+                             cost_model=TREES_PAY)
+    calls = record_draft_steps(monkeypatch)
+    out = check_greedy(dec, prompts, refs)
     assert out.stats.plain_rounds == sum(len(r.accepted) for r in out.stats.requests)  # every row, every round
     assert len(calls) == max(len(r.accepted) for r in out.stats.requests) and dec._backoff == 0  # batch rounds
     assert dec.calibrator.trials.sum() == 0

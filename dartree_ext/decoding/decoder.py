@@ -1060,10 +1060,8 @@ class SpeculativeDecoder:
             tree = Tree(*(t[:, :width].contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.scores)),
                         tree.num_nodes)
             chosen = None
-            if self.auto and width == 1:  # the head's early exit kept no step: a plain step, no back-off
-                chosen = 0
-            elif self.auto:
-                tree, chosen = self._choose(state, tree, None)
+            if self.auto:  # (the head's early exit kept no step: a plain step, no back-off)
+                tree, chosen = (tree, 0) if width == 1 else self._choose(state, tree, None)
             run.tick("tree")
             return tree, chosen
         if run.drafting and draft is None:

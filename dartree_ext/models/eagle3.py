@@ -241,10 +241,7 @@ class Eagle3Drafter(TargetAttached, nn.Module):
         the root at ``i - k + 1``."""
         steps = steps or self.config.num_steps
         s, t = tokens.shape
-        fused = self.fuse_features(features)
-        hidden = torch.cat([fused.new_zeros(s, 1, fused.shape[-1]), fused[:, :-1]], 1)
-        emb = self.embed(tokens)
-        positions = (torch.arange(t, device=tokens.device) - 1)[None].expand(s, -1)
+        hidden, emb, positions = self._index_inputs(features, tokens)
         masks = ttt_masks(t, steps, tokens.device)
         keys, values, outs = [], [], []
         for k in range(steps):
@@ -258,6 +255,15 @@ class Eagle3Drafter(TargetAttached, nn.Module):
             hidden = torch.cat([out.new_zeros(s, 1, out.shape[-1]), out[:, :-1]], 1)  # step k at i-1 feeds i
         return outs
 
+    def _index_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Step 1's inputs at every index (module docstring): the hidden input (index ``r`` carries
+        the fused features of ``x[r - 1]``, zeros at 0), the token embeddings and the rotary
+        positions ``r - 1``."""
+        s, t = tokens.shape
+        fused = self.fuse_features(features)
+        hidden = torch.cat([fused.new_zeros(s, 1, fused.shape[-1]), fused[:, :-1]], 1)
+        return hidden, self.embed(tokens), (torch.arange(t, device=tokens.device) - 1)[None].expand(s, -1)
+
     def unroll_blocks(self, features: torch.Tensor, tokens: torch.Tensor, roots: torch.Tensor,
                       steps: int | None = None) -> torch.Tensor:
         """The training-time test at some roots only: ``roots int64[S, n]`` (indices into
@@ -270,10 +276,8 @@ class Eagle3Drafter(TargetAttached, nn.Module):
         s, t = tokens.shape
         n = roots.shape[1]
         dev = tokens.device
-        fused = self.fuse_features(features)
-        hidden_all = torch.cat([fused.new_zeros(s, 1, fused.shape[-1]), fused[:, :-1]], 1)
-        emb_all = self.embed(tokens)
-        keys, values = self.layer.kv(hidden_all, emb_all, (torch.arange(t, device=dev) - 1)[None].expand(s, -1))
+        hidden_all, emb_all, positions = self._index_inputs(features, tokens)
+        keys, values = self.layer.kv(hidden_all, emb_all, positions)
         seq = torch.arange(s, device=dev)[:, None]
         index = torch.arange(t, device=dev)[None, None]
         root = roots[..., None]
