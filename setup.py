@@ -108,6 +108,6 @@ setup(
                                       "dartree-generate=dartree_ext.cli:generate_main",
                                       "dartree-profile=dartree_ext.cli:profile_main",
                                       "dartree-train=dartree_ext.training.cli:main"]},
-    package_data={"dartree_ext": ["drafters/*/*.json", "drafters/*/*.safetensors", "data/*.jsonl"]},
+    package_data={"dartree_ext": ["drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.npz", "data/*.jsonl"]},
     zip_safe=False,
 )

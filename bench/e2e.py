@@ -33,7 +33,7 @@ from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.decoding.cost import resolve_forward
 from dartree_ext.linear import LINEAR_KINDS
-from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
+from dartree_ext.loading import encode_prompt, load_corpus, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter, oracle_stop_rule
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
 from dartree_ext.tree import parse_width
@@ -58,6 +58,8 @@ class Params:
     estimator: str = "score"            # budget="auto": node acceptance from "score", "adaptive" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
     sampled_draft: int = 0              # chain at T > 0: draw each depth's token from the drafter, speculative sampling
+    corpus: str = "auto"                # the drafter directory's corpus.npz with the lookup branch: "auto" at T = 0
+                                        # (as dartree-generate), "on" (or "1") at any T, "off" (or "0") never
     # the target's attention: "kernel" (dartree_ext.attention: the row-invariant CPU kernel, else
     # packed SDPA), "packed" (packed SDPA only) or "sdpa" (transformers' own)
     attention: str = "kernel"
@@ -90,9 +92,12 @@ class Runner:
     group before any runs on the next (interleaved: the machine's drift affects all alike)."""
 
     def __init__(self, target, drafter, method: str, params: Params, temperature: float, max_new_tokens: int,
-                 stops: list[int], device: str, seed: int = 0) -> None:
+                 stops: list[int], device: str, seed: int = 0, corpus=None) -> None:
         if params.attention not in ("kernel", "packed", "sdpa"):
             raise SystemExit(f"attention must be 'kernel', 'packed' or 'sdpa', got {params.attention!r}")
+        if params.corpus not in ("auto", "on", "off", "1", "0"):
+            raise SystemExit(f"corpus must be 'auto', 'on' (1) or 'off' (0), got {params.corpus!r}")
+        use_corpus = params.corpus in ("on", "1") or (params.corpus == "auto" and temperature == 0)
         self.oracle_exit = params.early_exit == "oracle"
         if oracle_misfit(method, params, temperature):
             raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
@@ -101,6 +106,7 @@ class Runner:
                                       depth_bonus=params.depth_bonus,
                                       early_exit=oracle_stop_rule([]) if self.oracle_exit else params.early_exit,
                                       estimator=params.estimator, lookup=params.lookup if method != "ar" else None,
+                                      corpus=corpus if use_corpus and method != "ar" else None,
                                       **({"sampled_draft": True} if params.sampled_draft else {}))
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed
@@ -346,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     target, _, args.linear, _ = resolve_forward(target, target.dtype, args.linear)
     stops = stop_tokens(tok, target)
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
-    drafters = []
+    drafters, corpora = [], {}
     for label, spec in parse_drafters(args.drafter):
         path = None if spec in ("random", "random-eagle3", "oracle") else spec
+        corpora[label] = corpora[f"{label}fullvocab"] = load_corpus(path)
         eagle3 = spec == "random-eagle3"
         if args.draft_vocab in ("on", "both"):
             drafters.append((label, load_drafter(path, target, eagle3=eagle3)))
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"is for eagle3_vh at T = 0")
                             continue
                         runner = Runner(target, drafter, method, run_params, temperature, args.max_new_tokens,
-                                        stops, args.device)
+                                        stops, args.device, corpus=corpora.get(label))
                         runner.references = lambda g, ar=ar_runner, groups=groups: [
                             torch.tensor(p + o) for p, o in zip(groups[g], ar.outputs[g])]
                         runner.method = spec

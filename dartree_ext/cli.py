@@ -136,6 +136,12 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
                         help="add up to L tokens copied from the request's own context (what followed the latest "
                              "earlier occurrence of its last tokens) to every round's tree; 0: off. Default: "
                              "10 for method lookup and with --budget auto, else 0")
+    parser.add_argument("--corpus", default="auto", metavar="PATH",
+                        help="with a lookup branch, also look continuations up in a corpus of the target's own "
+                             "outputs (a CorpusIndex .npz, or a drafter directory holding corpus.npz) and take, per "
+                             "row and round, the continuation expected to give more tokens; 'auto': the drafter "
+                             "directory's corpus if it has one, at --temperature 0 only (sampled outputs follow it "
+                             "too rarely to pay for the lookups); 'none': off")
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -196,7 +202,7 @@ def _load_for_generate(args):
     the choice was made from."""
     from .decoding.cost import resolve_forward
     from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
-    from .loading import default_target, load_drafter, load_target, shipped_drafter
+    from .loading import default_target, load_corpus, load_drafter, load_target, shipped_drafter
 
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
@@ -212,7 +218,12 @@ def _load_for_generate(args):
     if args.method not in ("ar", "lookup"):
         drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
-    return target, loaded.tokenizer, drafter, dtype, dtype_ms, budget
+    auto = args.corpus == "auto"
+    corpus = None if args.corpus == "none" or (auto and args.temperature != 0) else \
+        load_corpus(drafter_path if auto else args.corpus)
+    if corpus is not None:
+        log.info("corpus: %d tokens in %d documents", len(corpus), corpus.documents)
+    return target, loaded.tokenizer, drafter, dtype, dtype_ms, budget, corpus
 
 
 def _speedup(ar_out, method_out) -> float:
@@ -285,7 +296,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    target, tok, drafter, dtype, dtype_ms, budget = _load_for_generate(args)
+    target, tok, drafter, dtype, dtype_ms, budget, corpus = _load_for_generate(args)
     texts = [args.prompt]
     if args.prompt_file:
         with open(args.prompt_file) as f:
@@ -299,7 +310,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     def decoder(method):
         return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
                                   K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
-                                  estimator=args.estimator, lookup=args.lookup if method != "ar" else None)
+                                  estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
+                                  corpus=corpus if method != "ar" else None)
 
     def run(method):
         dec = decoder(method)

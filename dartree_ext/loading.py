@@ -141,6 +141,22 @@ def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft
     return drafter
 
 
+def load_corpus(spec: str | None):
+    """The :class:`~dartree_ext.decoding.lookup.CorpusIndex` a path names: a ``.npz`` saved by
+    :meth:`~dartree_ext.decoding.lookup.CorpusIndex.save`, or a drafter directory holding one
+    (:data:`~dartree_ext.decoding.lookup.CORPUS_FILE`); ``None`` for ``None`` or a directory
+    without one."""
+    from .decoding.lookup import CORPUS_FILE, CorpusIndex
+    if not spec:
+        return None
+    path = os.path.join(spec, CORPUS_FILE) if os.path.isdir(spec) else spec
+    if os.path.isdir(spec) and not os.path.isfile(path):
+        return None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no corpus at {spec!r} (a .npz from CorpusIndex.save, or a drafter directory)")
+    return CorpusIndex.load(path)
+
+
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
     """Token ids of ``text``, wrapped in the tokenizer's chat template when it has one."""
     if chat and getattr(tokenizer, "chat_template", None):

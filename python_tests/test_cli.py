@@ -71,6 +71,23 @@ def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
     assert "--- prompt 1: second, longer prompt" in out
 
 
+def test_generate_cli_corpus(tmp_path, capsys):
+    """--corpus PATH adds corpus continuations (output still plain decoding's); 'none' turns them
+    off; a missing file is an error."""
+    from dartree_ext.decoding.lookup import CorpusIndex
+    CorpusIndex([list(range(i, i + 40)) for i in range(0, 200, 7)]).save(str(tmp_path / "c.npz"))
+    base = ["--target", "tiny", "--max-new-tokens", "8", "--compare-ar", "--repeats", "1", "--prompt", "hi",
+            "--dtype", "float32", "--budget", "16", "--lookup", "4"]
+    for corpus in (str(tmp_path / "c.npz"), "none"):
+        assert generate_main(base + ["--corpus", corpus]) == 0
+        out = capsys.readouterr().out
+        summary = json.loads(out[out.index("{"):])
+        assert summary["same_output_as_ar"] is True and summary["lookup_rounds"] > 0
+        assert (summary["corpus_rounds"] > 0) == (corpus != "none")
+    with pytest.raises(FileNotFoundError, match="no corpus"):
+        generate_main(base + ["--corpus", str(tmp_path / "missing.npz")])
+
+
 def _bench(name: str):
     """The bench/ script ``name`` as a module."""
     saved = list(sys.path)

@@ -240,6 +240,17 @@ def test_sampling_distribution_matches_target(method, temperature, top_p, budget
             "the draft trees should be accepted at times, or the test proves little"
 
 
+@pytest.mark.parametrize("method,top_p,budget", [("dartree", None, "auto"), ("lookup", 0.9, 16)])
+def test_sampling_distribution_with_a_corpus(method, top_p, budget):
+    """A corpus continuation (:class:`CorpusIndex`) grafted at T > 0 leaves the output distributed
+    as the target's."""
+    from dartree_ext.decoding.lookup import CorpusIndex
+    gen = torch.Generator().manual_seed(5)
+    corpus = CorpusIndex([torch.randint(0, 4, (30,), generator=gen).tolist() for _ in range(4)] + [[3, 0, 2, 1, 1, 2]])
+    out = sample_and_check(method, 1.0, top_p, budget, 13, width=4, K=4, lookup=3, corpus=corpus)
+    assert out.stats.corpus_rounds > 0 and out.stats.corpus_accepted > 0
+
+
 @pytest.mark.parametrize("temperature,top_p,budget", [(1.0, None, 16), (0.7, 0.9, "auto"), (1.0, None, "auto")])
 def test_sampled_draft_distribution_matches_target(temperature, top_p, budget):
     """``chain`` with ``sampled_draft``: each depth's token drawn from the drafter and accepted by

@@ -7,7 +7,8 @@ import torch
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder
 from dartree_ext.decoding.cost import CostModel
-from dartree_ext.decoding.lookup import ContextIndex, LookupStats, graft_chains
+from dartree_ext.decoding.lookup import CORPUS_MAX_NGRAM, ContextIndex, CorpusIndex, LookupStats, graft_chains, suffix_array
+from dartree_ext.loading import load_corpus
 from dartree_ext.models import LookupDrafter as OracleDrafter
 from dartree_ext.tree import Tree
 from models import greedy_reference, tiny_drafter, tiny_target
@@ -251,3 +252,148 @@ def test_lookup_longer_than_the_learned_depths(setup):
                              cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
     out = check_greedy(dec, prompts, refs, 24)
     assert out.stats.lookup_rounds > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# corpus lookup
+
+
+def brute_corpus_propose(docs, context, length, max_ngram=CORPUS_MAX_NGRAM):
+    """The longest suffix of ``context`` (<= max_ngram) found inside one document, then the most
+    frequent next token over its occurrences (ties: the smallest id; a document's end counts as
+    a next token larger than every id and stops the chain)."""
+    end = object()
+
+    def occurrences(pattern):
+        m = len(pattern)
+        return [(d, i) for d, doc in enumerate(docs) for i in range(len(doc) - m + 1) if doc[i:i + m] == pattern]
+
+    for n in range(min(max_ngram, len(context)), 0, -1):
+        pattern = list(context[len(context) - n:])
+        if occurrences(pattern):
+            break
+    else:
+        return [], 0
+    out = []
+    while len(out) < length:
+        nxt = [docs[d][i + len(pattern)] if i + len(pattern) < len(docs[d]) else end for d, i in occurrences(pattern)]
+        counts = {}
+        for t in nxt:
+            counts[t] = counts.get(t, 0) + 1
+        best = max(counts.values())
+        ids = sorted(t for t, c in counts.items() if c == best and t is not end)
+        if not ids:  # the document's end alone is the most frequent
+            break
+        out.append(ids[0])
+        pattern.append(ids[0])
+    return out, n
+
+
+def test_suffix_array_is_the_sorted_suffixes():
+    gen = torch.Generator().manual_seed(0)
+    assert suffix_array([]).tolist() == []
+    for trial in range(100):
+        n = int(torch.randint(1, 60, (1,), generator=gen))
+        tokens = torch.randint(0, 1 + trial % 5, (n,), generator=gen).tolist()
+        assert suffix_array(tokens).tolist() == sorted(range(n), key=lambda i: tokens[i:])
+
+
+def test_corpus_index_matches_a_scan():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        docs = [torch.randint(0, 4, (int(torch.randint(0, 25, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(int(torch.randint(1, 6, (1,), generator=gen)))]
+        corpus = CorpusIndex(docs)
+        for _ in range(10):
+            context = torch.randint(0, 5, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+            for length, max_ngram in ((6, CORPUS_MAX_NGRAM), (3, 2)):
+                assert corpus.propose(context, length, max_ngram) == brute_corpus_propose(docs, context, length, max_ngram), \
+                    (docs, context, length, max_ngram)
+
+
+def test_corpus_index_by_hand():
+    corpus = CorpusIndex([[5, 6, 7, 8], [1, 6, 7, 9], [2, 6, 7, 9, 3]])
+    assert corpus.documents == 3 and len(corpus) == 16
+    assert corpus.propose([6, 7], 4) == ([9, 3], 2)      # 9 follows "6 7" twice, 8 once; then doc 3 goes on
+    assert corpus.propose([5, 6, 7], 4) == ([8], 3)      # the longer match decides; doc 1 then ends
+    assert corpus.propose([4, 4, 1, 6], 2) == ([7, 9], 2)
+    assert corpus.propose([42], 3) == ([], 0)            # nothing matches
+    assert corpus.propose([8], 3) == ([], 1)             # matches at a document's end: nothing follows
+    assert corpus.propose([6, 7], 0) == ([], 0)
+    assert CorpusIndex([]).propose([1, 2], 3) == ([], 0)
+    assert CorpusIndex([[3, 4]]).propose([9, 3, 4, 3], 3) == ([4], 1)  # no match crosses two documents
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_corpus_save_load_round_trip(tmp_path, big):
+    docs = [[1, 2, 3, 70000 if big else 7], [2, 3, 4], [65534, 2, 3]]
+    corpus = CorpusIndex(docs)
+    corpus.save(str(tmp_path / "c.npz"))
+    back = load_corpus(str(tmp_path / "c.npz"))
+    assert back.tokens.tolist() == corpus.tokens.tolist() and back.sa.tolist() == corpus.sa.tolist()
+    for context in ([2, 3], [1, 2], [65534], [9]):
+        assert back.propose(context, 4) == corpus.propose(context, 4)
+    (tmp_path / "d").mkdir()
+    assert load_corpus(str(tmp_path / "d")) is None      # a drafter directory without a corpus
+    corpus.save(str(tmp_path / "d" / "corpus.npz"))
+    assert load_corpus(str(tmp_path / "d")).propose([2, 3], 4) == corpus.propose([2, 3], 4)
+    assert load_corpus(None) is None
+
+
+def test_corpus_bad_input(tmp_path, setup):
+    with pytest.raises(ValueError, match="corpus token ids"):
+        CorpusIndex([[1, -2]])
+    with pytest.raises(FileNotFoundError, match="no corpus"):
+        load_corpus(str(tmp_path / "missing.npz"))
+    target, drafter, _, _ = setup
+    with pytest.raises(TypeError, match="CorpusIndex"):
+        SpeculativeDecoder(target, drafter, "dartree", budget=16, lookup=4, corpus=[[1, 2]])
+    assert SpeculativeDecoder(target, drafter, "dartree", budget=16, corpus=CorpusIndex([[1, 2]])).corpus is None  # no lookup
+
+
+@pytest.fixture(scope="module")
+def corpus_setup(setup):
+    """Prompts that do not repeat (nothing to copy from the context), and a corpus holding the
+    target's own answers to them, among unrelated documents."""
+    target, drafter, _, _ = setup
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (7, 12, 3)]
+    refs = [greedy_reference(target, p, 24) for p in prompts]
+    noise = [torch.randint(0, 97, (40,), generator=gen).tolist() for _ in range(5)]
+    corpus = CorpusIndex(noise + [torch.cat([p, r]).tolist() for p, r in zip(prompts, refs)])
+    return target, drafter, prompts, refs, corpus
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_corpus_lookup_is_lossless_for_every_method(corpus_setup, method):
+    target, drafter, prompts, refs, corpus = corpus_setup
+    dec = SpeculativeDecoder(target, drafter, method, budget=16, width=4, K=8, lookup=6, corpus=corpus)
+    out = check_greedy(dec, prompts, refs)
+    assert out.stats.corpus_rounds > 0 and out.stats.corpus_accepted > 0
+    assert out.stats.corpus_rounds <= out.stats.lookup_rounds
+
+
+def test_corpus_raises_tau_where_the_context_has_nothing(corpus_setup):
+    target, drafter, prompts, refs, corpus = corpus_setup
+    plain = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=8), prompts, refs)
+    looked = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=8, corpus=corpus), prompts, refs)
+    alone = check_greedy(SpeculativeDecoder(target, None, "lookup", lookup=8, corpus=corpus), prompts, refs)
+    assert plain.stats.corpus_rounds == 0
+    assert looked.stats.tau > plain.stats.tau + 1.0 and alone.stats.tau > 2.0
+    auto = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, corpus=corpus,
+                              cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
+    out = check_greedy(auto, prompts, refs)
+    assert out.stats.corpus_accepted > 0 and auto.corpus_stats.hits.sum() > 0  # learned in its own table
+    assert auto._lookup_stats_for("greedy").hits.sum() == 0 or out.stats.lookup_rounds > out.stats.corpus_rounds
+
+
+def test_corpus_lookup_samples_at_t1(corpus_setup):
+    """At T > 0 a corpus continuation is verified like any other branch; its statistics are the
+    sampling regime's."""
+    target, drafter, prompts, _, corpus = corpus_setup
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget=8, width=4, K=8, lookup=6, corpus=corpus)
+    ids, mask = left_pad(prompts)
+    out = dec.generate(ids, mask, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert all(r.new_tokens == 12 for r in out.stats.requests)
+    assert dec.corpus_stats is dec._lookup_stats_for("corpus-sample")
+    assert dec._lookup_stats_for("corpus-greedy").trials.sum() == 0

@@ -7,7 +7,7 @@ One round, for every unfinished request at once (each with its own tree and acce
   EAGLE-3 methods, the drafter's whole dynamic tree (:mod:`~dartree_ext.decoding.eagle`);
 * ``_tree``: the method's draft tree from it (the ops), cut to the chosen size with
   ``budget="auto"`` or at the verification head's predicted first rejection with ``early_exit``;
-  with ``lookup``, each row's context-lookup continuation grafted in as one more branch;
+  with ``lookup``, each row's context-lookup (or ``corpus``) continuation grafted in as one more branch;
 * ``_verify``: ``tree_attention_mask`` + positions, one target forward over root + tree, the
   target's token at every node (argmax, or a sample at T > 0), ``verify_tree``;
 * ``_commit``: the accepted path enters the KV cache (``compact_kv_`` on every layer) and its
@@ -44,7 +44,7 @@ from .cache import compact_cache_, crop_cache_, select_requests_
 from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
                    next_backoff, running_average)
 from .eagle import StopRule, eagle3_draft
-from .lookup import ChainGraft, ContextIndex, LookupStats
+from .lookup import CORPUS_MAX_NGRAM, MAX_NGRAM, ChainGraft, ContextIndex, CorpusIndex, LookupStats
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class DecodingStats:
     measured_ms: float = 0.0
     lookup_rounds: int = 0                  # rows x rounds that verified a context-lookup continuation
     lookup_accepted: int = 0                # tokens accepted along those continuations
+    corpus_rounds: int = 0                  # of lookup_rounds: continuations taken from the corpus
+    corpus_accepted: int = 0                # of lookup_accepted: tokens accepted along those
 
     @property
     def rounds(self) -> int:
@@ -152,6 +154,7 @@ class DecodingStats:
                            "measured_tokens": self.measured_tokens, "predicted_ms": round(self.predicted_ms, 2),
                            "measured_ms": round(self.measured_ms, 2)} if self.auto_rounds else None,
             "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
+            "corpus_rounds": self.corpus_rounds, "corpus_accepted": self.corpus_accepted,
         }
 
 
@@ -301,6 +304,7 @@ class _Batch:
     ngrams: list[int] | None = None
     drafted: list[int] | None = None  # per row, the nodes before the graft (the drafter's)
     chain_new: list[list[bool]] | None = None  # per row, which continuation tokens are new nodes
+    chain_stats: list[LookupStats] | None = None  # per row, the statistics of its continuation's source
 
     @property
     def rows(self) -> int:
@@ -312,7 +316,7 @@ class _Batch:
         self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
         self.position = self.length - self.pad
         self.full_tree = None
-        self.chains = self.ngrams = self.drafted = self.chain_new = None
+        self.chains = self.ngrams = self.drafted = self.chain_new = self.chain_stats = None
         self.draft_q = None  # sampled_draft: the round's chain distributions (_DraftQ)
 
     def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None,
@@ -502,6 +506,11 @@ class SpeculativeDecoder:
     cost. Method ``lookup`` is this branch alone, without a drafter (prompt-lookup decoding).
     ``lookup=None`` (the default) is :data:`DEFAULT_LOOKUP` for method ``lookup`` and with
     ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
+    ``corpus`` (a :class:`~dartree_ext.decoding.lookup.CorpusIndex` over the target's own earlier
+    outputs, e.g. the shipped drafter's ``corpus.npz``) gives the branch a second source: each
+    row takes, each round, whichever of the context's and the corpus's continuations its own
+    learned statistics expect to give more tokens (retrieval drafting, as REST does); it needs
+    ``lookup`` >= 1 and is ignored without it.
 
     ``sampled_draft=True`` (method ``chain``, T > 0) draws each depth's token from the drafter's
     tempered distribution instead of taking its top-1, and accepts it by speculative sampling
@@ -530,7 +539,8 @@ class SpeculativeDecoder:
                  method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | DepthCalibrator | None = None, early_exit: float | StopRule | None = None,
-                 estimator: str = "score", lookup: int | None = None, sampled_draft: bool = False) -> None:
+                 estimator: str = "score", lookup: int | None = None, sampled_draft: bool = False,
+                 corpus: CorpusIndex | None = None) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
         if sampled_draft and method != "chain":
@@ -558,8 +568,12 @@ class SpeculativeDecoder:
         if method == "eagle3_vh" and early_exit is None:
             early_exit = EAGLE3_EARLY_EXIT
         self.lookup = _resolve_lookup(method, self.auto, lookup)
+        if corpus is not None and not isinstance(corpus, CorpusIndex):
+            raise TypeError(f"corpus must be a CorpusIndex, got {type(corpus).__name__}")
+        self.corpus = corpus if self.lookup else None  # (a corpus continuation is a lookup branch)
         self._lookup_stats: dict[str, LookupStats] = {}
         self.lookup_stats = self._lookup_stats_for("greedy")
+        self.corpus_stats = self._lookup_stats_for("corpus-greedy")
         if method in DRAFTERLESS:
             drafter = None  # not used: no drafter pass, no drafter context
         else:
@@ -814,7 +828,8 @@ class SpeculativeDecoder:
     def _lookup_stats_for(self, regime: str) -> LookupStats:
         """One :class:`LookupStats` per regime ("greedy" or "sample"), kept across calls."""
         if regime not in self._lookup_stats:
-            self._lookup_stats[regime] = LookupStats(regime=regime)
+            corpus = regime.startswith("corpus")
+            self._lookup_stats[regime] = LookupStats(regime=regime, max_ngram=CORPUS_MAX_NGRAM if corpus else MAX_NGRAM)
         return self._lookup_stats[regime]
 
     def _ensure_cost_model(self) -> None:
@@ -842,6 +857,7 @@ class SpeculativeDecoder:
         self.calibrator = self._calibrator_for("greedy" if temperature == 0 else
                                                "sampled_draft" if self.sampled_draft else "sample")
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
+        self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
         self._skip = self._backoff = 0
         self._recent_depths, self._recent_sizes = [], []
         self._level = AcceptanceLevel()
@@ -1008,25 +1024,34 @@ class SpeculativeDecoder:
         """``tree`` with every row's context continuation grafted in (:class:`ChainGraft`); with
         ``budget="auto"``, the continuations are cut at the step (the same for every row) that
         maximises expected tokens per ms under the cost model."""
-        chains, ngrams = [], []
+        chains, ngrams, sources = [], [], []
         for row, req in enumerate(state.active.tolist()):
             room = run.max_new_tokens - len(run.generated[req]) - 1  # the bonus token comes after the chain
             if run.max_pos is not None:
                 room = min(room, run.max_pos - run.stats.requests[req].prompt_tokens - len(run.generated[req]) - 1)
             chain, n = run.index[req].propose(min(self.lookup, room))
+            source = self.lookup_stats
+            if self.corpus is not None:  # the continuation expected to give more tokens
+                other, m = self.corpus.propose(run.index[req].tokens, min(self.lookup, room))
+                if other and sum(self.corpus_stats.path_probs(m, len(other))) > \
+                        (sum(self.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
+                    chain, n, source = other, m, self.corpus_stats
             chains.append(chain)
             ngrams.append(n)
+            sources.append(source)
         graft = ChainGraft(tree, chains)
         new = [_new_nodes(a) for a in graft.added]
         steps = None
         if self.auto and any(chains):
-            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len, new)
+            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len, new, sources)
             chains = [c[:steps] for c in chains]
         state.chains, state.ngrams, state.drafted, state.chain_new = chains, ngrams, tree.num_nodes.tolist(), new
+        state.chain_stats = sources
         return graft.tree(steps)
 
     def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
-                      chosen: int | None, context: int, new: list[list[bool]] | None = None) -> int:
+                      chosen: int | None, context: int, new: list[list[bool]] | None = None,
+                      sources: list[LookupStats] | None = None) -> int:
         """How many continuation tokens to graft (0..longest chain): the step maximising
         ``(rows + E[accepted]) / round ms``, where a grafted token adds its path's acceptance
         probability (:class:`LookupStats`) unless the drafter's tree already had it, and the
@@ -1037,7 +1062,8 @@ class SpeculativeDecoder:
         fixed = (drafted_ms if chosen else 0.0) + overhead
         num = tree.num_nodes.tolist()
         new = [_new_nodes(a) for a in added] if new is None else new  # (_new_nodes of each row's added)
-        probs = [self.lookup_stats.path_probs(n, len(c), fresh) if c else [] for c, n, fresh in zip(chains, ngrams, new)]
+        sources = [self.lookup_stats] * rows if sources is None else sources  # each row's continuation's statistics
+        probs = [src.path_probs(n, len(c), fresh) if c else [] for c, n, fresh, src in zip(chains, ngrams, new, sources)]
         expected = rows + self._chosen_expected
         best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
         for d in range(1, max(len(c) for c in chains) + 1):
@@ -1231,14 +1257,18 @@ class SpeculativeDecoder:
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         if state.chains is not None:
-            for row, (chain, n, new) in enumerate(zip(state.chains, state.ngrams, state.chain_new)):
+            for row, (chain, n, new, source) in enumerate(zip(state.chains, state.ngrams, state.chain_new,
+                                                              state.chain_stats)):
                 if chain:
                     path, got = paths[row][1:accepted[row] + 1], 0
                     while got < min(len(chain), len(path)) and chain[got] == path[got]:
                         got += 1
-                    self.lookup_stats.update(n, len(chain), got, new)
+                    source.update(n, len(chain), got, new)
                     stats.lookup_rounds += 1
                     stats.lookup_accepted += got
+                    if source is not self.lookup_stats:
+                        stats.corpus_rounds += 1
+                        stats.corpus_accepted += got
         keep = []
         for row, req in enumerate(state.active.tolist()):
             rs, a = stats.requests[req], accepted[row]

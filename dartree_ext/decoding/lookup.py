@@ -16,8 +16,10 @@ while each one's expected acceptance pays for its verification cost.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..tree import Tree
@@ -72,7 +74,11 @@ class LookupStats:
     # The prior's centre: depth 1 by n-gram length 1, 2, 3, >= 4, then every depth >= 2; per
     # regime ("greedy": T = 0, "sample": T > 0), rounded from what SmolLM2's decoding learned for
     # new nodes on prompts outside the evaluation tables (`bench/lookup_stats.py --decode 0|1`).
-    PRIORS = {"greedy": ((0.15, 0.45, 0.7, 0.8), 0.75), "sample": ((0.15, 0.2, 0.35, 0.8), 0.6)}
+    PRIORS = {"greedy": ((0.15, 0.45, 0.7, 0.8), 0.75), "sample": ((0.15, 0.2, 0.35, 0.8), 0.6),
+              # continuations from a corpus (:class:`CorpusIndex`), by matched length 1..12, rounded
+              # from held-out SmolLM2 responses against a corpus of the others (`bench/corpus_lookup.py`)
+              "corpus-greedy": ((0.15, 0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.6, 0.6, 0.7, 0.7, 0.8), 0.65),
+              "corpus-sample": ((0.1, 0.2, 0.2, 0.25, 0.25, 0.4), 0.25)}
     PRIOR, PRIOR_DEEPER = PRIORS["greedy"]
 
     def __init__(self, max_depth: int = 16, max_ngram: int = MAX_NGRAM, prior_weight: float = 4.0,
@@ -187,3 +193,158 @@ def graft_chains(tree: Tree, chains: Sequence[Sequence[int]]) -> tuple[Tree, lis
     """``tree`` with every row's whole chain grafted in, and :attr:`ChainGraft.added`."""
     graft = ChainGraft(tree, chains)
     return graft.tree(), graft.added
+
+
+CORPUS_MAX_NGRAM = 12  # longest suffix of the context matched against a corpus
+CORPUS_FILE = "corpus.npz"  # a drafter directory's corpus (:meth:`CorpusIndex.save`)
+_SAMPLED_NEXT = 4096  # past this many occurrences, the next token's counts come from an even sample
+
+
+def suffix_array(tokens) -> np.ndarray:
+    """The suffix array of ``tokens`` (int64[N], any values): int64[N], the suffix start positions
+    in lexicographic order of the suffixes (prefix doubling: O(N log^2 N) in NumPy)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n = len(tokens)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64)
+    k = 1
+    while True:
+        second = np.full(n, -1, dtype=np.int64)
+        second[:n - k] = rank[k:]
+        order = np.lexsort((second, rank))
+        first, nxt = rank[order], second[order]
+        fresh = np.empty(n, dtype=bool)
+        fresh[0] = True
+        fresh[1:] = (first[1:] != first[:-1]) | (nxt[1:] != nxt[:-1])
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(fresh) - 1
+        if rank[order[-1]] == n - 1 or k >= n:
+            return order
+        k *= 2
+
+
+class _Suffixes:
+    """The suffix array as a sorted sequence of byte strings, for :mod:`bisect`: item ``i`` is the
+    first ``width`` tokens of suffix ``i``, big-endian, so byte order is token order."""
+
+    def __init__(self, data: bytes, sa, size: int) -> None:
+        self.data, self.sa, self.size, self.width = data, sa, size, 0
+
+    def __len__(self) -> int:
+        return len(self.sa)
+
+    def __getitem__(self, i: int) -> bytes:
+        start = int(self.sa[i]) * self.size
+        return self.data[start:start + self.width]
+
+
+class CorpusIndex:
+    """Continuations looked up in a fixed corpus of the target's own outputs (retrieval drafting,
+    as REST and SuffixDecoding do): a small model answers in the same phrases across requests, so
+    the longest suffix of a request's context (at most :data:`CORPUS_MAX_NGRAM` tokens) that
+    occurs in the corpus is often followed by what the target writes next. A suffix array over
+    the corpus finds that suffix in O(n log N); the continuation then follows, token by token, the
+    most frequent next token among the matching occurrences.
+
+    ``sequences`` are the corpus's token lists (each one a separate document: no match crosses
+    two); ids must be in ``[0, 2^32 - 1)``."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]] = (), *, _arrays=None) -> None:
+        if _arrays is not None:
+            tokens, sa = _arrays
+        else:
+            parts = [np.asarray(list(s), dtype=np.int64) for s in sequences]
+            for p in parts:
+                if len(p) and (p.min() < 0 or p.max() >= 2 ** 32 - 1):
+                    raise ValueError(f"corpus token ids must be in [0, 2^32 - 1), got {int(p.min())}..{int(p.max())}")
+            sep = 2 ** 32 - 1
+            tokens = np.concatenate([np.append(p, sep) for p in parts]) if parts else np.zeros(0, np.int64)
+            sa = suffix_array(tokens)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.sa = np.asarray(sa, dtype=np.int64)
+        if self.tokens.shape != self.sa.shape:
+            raise ValueError(f"a corpus needs one suffix per token: {len(self.tokens)} tokens, {len(self.sa)} suffixes")
+        self.separator = 2 ** 32 - 1
+        self._bytes = self.tokens.astype(">u4").tobytes()
+        self._suffixes = _Suffixes(self._bytes, self.sa, 4)
+
+    @property
+    def documents(self) -> int:
+        return int((self.tokens == self.separator).sum())
+
+    def __len__(self) -> int:
+        """Tokens in the corpus, separators included."""
+        return len(self.tokens)
+
+    def save(self, path: str) -> None:
+        """Tokens and suffix array in one ``.npz`` (uint16 tokens where every id fits)."""
+        tokens = self.tokens
+        small = len(tokens) == 0 or int(tokens[tokens != self.separator].max(initial=0)) < 2 ** 16 - 1
+        stored = np.where(tokens == self.separator, 2 ** 16 - 1, tokens).astype(np.uint16) if small else \
+            tokens.astype(np.uint32)
+        np.savez_compressed(path, tokens=stored, sa=self.sa.astype(np.int32 if len(tokens) < 2 ** 31 else np.int64))
+
+    @classmethod
+    def load(cls, path: str) -> "CorpusIndex":
+        with np.load(path) as f:
+            stored, sa = f["tokens"], f["sa"]
+        sep = 2 ** 16 - 1 if stored.dtype == np.uint16 else 2 ** 32 - 1
+        tokens = stored.astype(np.int64)
+        tokens[tokens == sep] = 2 ** 32 - 1
+        return cls(_arrays=(tokens, sa))
+
+    def _range(self, pattern: Sequence[int], lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+        """Suffix-array rows ``[lo, hi)`` of the suffixes that start with ``pattern``."""
+        key = b"".join(int(t).to_bytes(4, "big") for t in pattern)
+        suffixes = self._suffixes
+        suffixes.width = len(key)
+        hi = len(suffixes) if hi is None else hi
+        first = bisect.bisect_left(suffixes, key, lo, hi)
+        return first, bisect.bisect_right(suffixes, key, first, hi)
+
+    def longest_match(self, context: Sequence[int], max_ngram: int = CORPUS_MAX_NGRAM) -> tuple[int, int, int]:
+        """The longest suffix of ``context`` (at most ``max_ngram`` tokens) in the corpus: its
+        length ``n`` and suffix-array rows ``[lo, hi)`` (``(0, 0, 0)`` if not even the last token
+        occurs). A suffix occurs only if every shorter one does, so ``n`` is found by bisection."""
+        top = min(max_ngram, len(context))
+        found, rows = 0, (0, 0)
+        low, high = 1, top
+        while low <= high:
+            mid = (low + high) // 2
+            lo, hi = self._range(context[len(context) - mid:])
+            if hi > lo:
+                found, rows, low = mid, (lo, hi), mid + 1
+            else:
+                high = mid - 1
+        return found, rows[0], rows[1]
+
+    def propose(self, context: Sequence[int], length: int, max_ngram: int = CORPUS_MAX_NGRAM) -> tuple[list[int], int]:
+        """Up to ``length`` tokens continuing the longest suffix of ``context`` found in the
+        corpus, each the most frequent next token among the occurrences that match so far (ties:
+        the smallest id), and that suffix's length; ``([], 0)`` when nothing matches."""
+        if length < 1 or not len(context) or not len(self.tokens):
+            return [], 0
+        n, lo, hi = self.longest_match(context, max_ngram)
+        if n == 0:
+            return [], 0
+        pattern, out = [int(t) for t in context[len(context) - n:]], []
+        while len(out) < length:
+            if hi - lo == 1:  # one occurrence left: what follows it, up to its document's end
+                start = int(self.sa[lo]) + len(pattern)
+                rest = self.tokens[start:start + length - len(out)].tolist()
+                return out + rest[:rest.index(self.separator)] if self.separator in rest else out + rest, n
+            rows = self.sa[lo:hi] if hi - lo <= _SAMPLED_NEXT else \
+                self.sa[np.linspace(lo, hi - 1, _SAMPLED_NEXT).astype(np.int64)]
+            at = rows + len(pattern)
+            nxt = self.tokens[at[at < len(self.tokens)]]
+            if not len(nxt):
+                break
+            values, counts = np.unique(nxt, return_counts=True)
+            tok = int(values[int(counts.argmax())])
+            if tok == self.separator:
+                break
+            out.append(tok)
+            pattern.append(tok)
+            lo, hi = self._range(pattern, lo, hi)
+        return out, n
