@@ -324,6 +324,13 @@ def test_corpus_index_by_hand():
     assert CorpusIndex([[3, 4]]).propose([9, 3, 4, 3], 3) == ([4], 1)  # no match crosses two documents
 
 
+def test_corpus_index_counts_many_occurrences_from_a_sample():
+    """Past 4096 matching occurrences the next token's counts come from an even sample of them
+    (the suffixes sharing a next token are contiguous, so a clear majority stays the majority)."""
+    docs = [[1, 2, 3, 5]] * 6000 + [[1, 2, 4, 6]] * 3000 + [[7, 1, 2, 4]] * 10
+    assert CorpusIndex(docs).propose([9, 1, 2], 3) == ([3, 5], 2)
+
+
 @pytest.mark.parametrize("big", [False, True])
 def test_corpus_save_load_round_trip(tmp_path, big):
     docs = [[1, 2, 3, 70000 if big else 7], [2, 3, 4], [65534, 2, 3]]
