@@ -97,7 +97,6 @@ class Runner:
             raise SystemExit(f"attention must be 'kernel', 'packed' or 'sdpa', got {params.attention!r}")
         if params.corpus not in ("auto", "on", "off", "1", "0"):
             raise SystemExit(f"corpus must be 'auto', 'on' (1) or 'off' (0), got {params.corpus!r}")
-        use_corpus = params.corpus in ("on", "1") or (params.corpus == "auto" and temperature == 0)
         self.oracle_exit = params.early_exit == "oracle"
         if oracle_misfit(method, params, temperature):
             raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
@@ -106,7 +105,8 @@ class Runner:
                                       depth_bonus=params.depth_bonus,
                                       early_exit=oracle_stop_rule([]) if self.oracle_exit else params.early_exit,
                                       estimator=params.estimator, lookup=params.lookup if method != "ar" else None,
-                                      corpus=corpus if use_corpus and method != "ar" else None,
+                                      corpus=corpus if params.corpus not in ("off", "0") and method != "ar" else None,
+                                      corpus_sampling=params.corpus in ("on", "1"),
                                       **({"sampled_draft": True} if params.sampled_draft else {}))
         self.method, self.params, self.temperature = method, params, temperature
         self.max_new_tokens, self.stops, self.device, self.seed = max_new_tokens, stops, device, seed

@@ -218,9 +218,7 @@ def _load_for_generate(args):
     if args.method not in ("ar", "lookup"):
         drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
     log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
-    auto = args.corpus == "auto"
-    corpus = None if args.corpus == "none" or (auto and args.temperature != 0) else \
-        load_corpus(drafter_path if auto else args.corpus)
+    corpus = None if args.corpus == "none" else load_corpus(drafter_path if args.corpus == "auto" else args.corpus)
     if corpus is not None:
         log.info("corpus: %d tokens in %d documents", len(corpus), corpus.documents)
     return target, loaded.tokenizer, drafter, dtype, dtype_ms, budget, corpus
@@ -311,7 +309,8 @@ def generate_main(argv: list[str] | None = None) -> int:
         return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
                                   K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
                                   estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
-                                  corpus=corpus if method != "ar" else None)
+                                  corpus=corpus if method != "ar" else None,
+                                  corpus_sampling=args.corpus not in ("auto", "none"))
 
     def run(method):
         dec = decoder(method)

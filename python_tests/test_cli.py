@@ -84,6 +84,9 @@ def test_generate_cli_corpus(tmp_path, capsys):
         summary = json.loads(out[out.index("{"):])
         assert summary["same_output_as_ar"] is True and summary["lookup_rounds"] > 0
         assert (summary["corpus_rounds"] > 0) == (corpus != "none")
+    assert generate_main(base + ["--corpus", str(tmp_path / "c.npz"), "--temperature", "1"]) == 0  # a path: any T
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["corpus_rounds"] > 0
     with pytest.raises(FileNotFoundError, match="no corpus"):
         generate_main(base + ["--corpus", str(tmp_path / "missing.npz")])
 

@@ -247,7 +247,7 @@ def test_sampling_distribution_with_a_corpus(method, top_p, budget):
     from dartree_ext.decoding.lookup import CorpusIndex
     gen = torch.Generator().manual_seed(5)
     corpus = CorpusIndex([torch.randint(0, 4, (30,), generator=gen).tolist() for _ in range(4)] + [[3, 0, 2, 1, 1, 2]])
-    out = sample_and_check(method, 1.0, top_p, budget, 13, width=4, K=4, lookup=3, corpus=corpus)
+    out = sample_and_check(method, 1.0, top_p, budget, 13, width=4, K=4, lookup=3, corpus=corpus, corpus_sampling=True)
     assert out.stats.corpus_rounds > 0 and out.stats.corpus_accepted > 0
 
 

@@ -395,12 +395,16 @@ def test_corpus_raises_tau_where_the_context_has_nothing(corpus_setup):
 
 
 def test_corpus_lookup_samples_at_t1(corpus_setup):
-    """At T > 0 a corpus continuation is verified like any other branch; its statistics are the
-    sampling regime's."""
+    """At T > 0 the corpus is consulted only with ``corpus_sampling=True``; its continuations are
+    then verified like any other branch, with the sampling regime's statistics."""
     target, drafter, prompts, _, corpus = corpus_setup
-    dec = SpeculativeDecoder(target, drafter, "dartree", budget=8, width=4, K=8, lookup=6, corpus=corpus)
     ids, mask = left_pad(prompts)
-    out = dec.generate(ids, mask, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    assert all(r.new_tokens == 12 for r in out.stats.requests)
-    assert dec.corpus_stats is dec._lookup_stats_for("corpus-sample")
-    assert dec._lookup_stats_for("corpus-greedy").trials.sum() == 0
+    for sampling in (True, False):
+        dec = SpeculativeDecoder(target, drafter, "dartree", budget=8, width=4, K=8, lookup=6, corpus=corpus,
+                                 corpus_sampling=sampling)
+        out = dec.generate(ids, mask, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        assert all(r.new_tokens == 12 for r in out.stats.requests)
+        assert dec.corpus_stats is dec._lookup_stats_for("corpus-sample")
+        assert dec._lookup_stats_for("corpus-greedy").trials.sum() == 0
+        assert (dec.corpus_stats.trials.sum() + dec.corpus_stats.agree_trials.sum() > 0) == sampling
+        assert (out.stats.corpus_rounds > 0) == sampling

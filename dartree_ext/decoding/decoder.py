@@ -44,7 +44,7 @@ from .cache import compact_cache_, crop_cache_, select_requests_
 from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
                    next_backoff, running_average)
 from .eagle import StopRule, eagle3_draft
-from .lookup import CORPUS_MAX_NGRAM, MAX_NGRAM, ChainGraft, ContextIndex, CorpusIndex, LookupStats
+from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,9 @@ class SpeculativeDecoder:
     outputs, e.g. the shipped drafter's ``corpus.npz``) gives the branch a second source: each
     row takes, each round, whichever of the context's and the corpus's continuations its own
     learned statistics expect to give more tokens (retrieval drafting, as REST does); it needs
-    ``lookup`` >= 1 and is ignored without it.
+    ``lookup`` >= 1 and is ignored without it. It is consulted at T = 0 only unless
+    ``corpus_sampling=True``: a sampled answer follows the corpus too rarely to pay for the lookups
+    (``docs/results/corpus_lookup_zen4.md``).
 
     ``sampled_draft=True`` (method ``chain``, T > 0) draws each depth's token from the drafter's
     tempered distribution instead of taking its top-1, and accepts it by speculative sampling
@@ -540,7 +542,7 @@ class SpeculativeDecoder:
                  sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
                  calibrator: AcceptanceCalibrator | DepthCalibrator | None = None, early_exit: float | StopRule | None = None,
                  estimator: str = "score", lookup: int | None = None, sampled_draft: bool = False,
-                 corpus: CorpusIndex | None = None) -> None:
+                 corpus: CorpusIndex | None = None, corpus_sampling: bool = False) -> None:
         if method not in ALL_METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
         if sampled_draft and method != "chain":
@@ -571,6 +573,8 @@ class SpeculativeDecoder:
         if corpus is not None and not isinstance(corpus, CorpusIndex):
             raise TypeError(f"corpus must be a CorpusIndex, got {type(corpus).__name__}")
         self.corpus = corpus if self.lookup else None  # (a corpus continuation is a lookup branch)
+        self.corpus_sampling = bool(corpus_sampling)
+        self._corpus = self.corpus  # this call's: None at T > 0 unless corpus_sampling
         self._lookup_stats: dict[str, LookupStats] = {}
         self.lookup_stats = self._lookup_stats_for("greedy")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy")
@@ -828,8 +832,7 @@ class SpeculativeDecoder:
     def _lookup_stats_for(self, regime: str) -> LookupStats:
         """One :class:`LookupStats` per regime ("greedy" or "sample"), kept across calls."""
         if regime not in self._lookup_stats:
-            corpus = regime.startswith("corpus")
-            self._lookup_stats[regime] = LookupStats(regime=regime, max_ngram=CORPUS_MAX_NGRAM if corpus else MAX_NGRAM)
+            self._lookup_stats[regime] = LookupStats(regime=regime)
         return self._lookup_stats[regime]
 
     def _ensure_cost_model(self) -> None:
@@ -858,6 +861,7 @@ class SpeculativeDecoder:
                                                "sampled_draft" if self.sampled_draft else "sample")
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
+        self._corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
         self._skip = self._backoff = 0
         self._recent_depths, self._recent_sizes = [], []
         self._level = AcceptanceLevel()
@@ -1031,8 +1035,8 @@ class SpeculativeDecoder:
                 room = min(room, run.max_pos - run.stats.requests[req].prompt_tokens - len(run.generated[req]) - 1)
             chain, n = run.index[req].propose(min(self.lookup, room))
             source = self.lookup_stats
-            if self.corpus is not None:  # the continuation expected to give more tokens
-                other, m = self.corpus.propose(run.index[req].tokens, min(self.lookup, room))
+            if self._corpus is not None:  # the continuation expected to give more tokens
+                other, m = self._corpus.propose(run.index[req].tokens, min(self.lookup, room))
                 if other and sum(self.corpus_stats.path_probs(m, len(other))) > \
                         (sum(self.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
                     chain, n, source = other, m, self.corpus_stats

@@ -25,6 +25,7 @@ import torch
 from ..tree import Tree
 
 MAX_NGRAM = 4  # longest suffix matched; shorter ones are tried when it does not occur
+CORPUS_MAX_NGRAM = 12  # longest suffix of the context matched against a corpus (CorpusIndex)
 
 
 class ContextIndex:
@@ -81,10 +82,12 @@ class LookupStats:
               "corpus-sample": ((0.1, 0.2, 0.2, 0.25, 0.25, 0.4), 0.25)}
     PRIOR, PRIOR_DEEPER = PRIORS["greedy"]
 
-    def __init__(self, max_depth: int = 16, max_ngram: int = MAX_NGRAM, prior_weight: float = 4.0,
+    def __init__(self, max_depth: int = 16, max_ngram: int | None = None, prior_weight: float = 4.0,
                  regime: str = "greedy") -> None:
         if regime not in self.PRIORS:
             raise ValueError(f"regime must be one of {', '.join(self.PRIORS)}, got {regime!r}")
+        if max_ngram is None:  # the longest match its source tries
+            max_ngram = CORPUS_MAX_NGRAM if regime.startswith("corpus") else MAX_NGRAM
         self.max_ngram, self.max_depth, self.prior_weight = max_ngram, max_depth, float(prior_weight)
         first, deeper = self.PRIORS[regime]
         rows = [first[min(n, len(first)) - 1] for n in range(1, max_ngram + 1)]
@@ -195,7 +198,6 @@ def graft_chains(tree: Tree, chains: Sequence[Sequence[int]]) -> tuple[Tree, lis
     return graft.tree(), graft.added
 
 
-CORPUS_MAX_NGRAM = 12  # longest suffix of the context matched against a corpus
 CORPUS_FILE = "corpus.npz"  # a drafter directory's corpus (:meth:`CorpusIndex.save`)
 _SAMPLED_NEXT = 4096  # past this many occurrences, the next token's counts come from an even sample
 
