@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one DARTree supertree expansion (``build_supertree``: D = 16 depths,
-K = 64, W = 12) at the paper's head shapes, from the CUDA profiler: which of the three kernels
-per depth (expand_hidden, expand_select, expand_update) dominates, and the round's GPU time
+K = 64, W = 12) at the paper's head shapes, from the CUDA profiler: which of the kernels per
+depth (expand_hidden, expand_logits, expand_select, expand_update) dominates, and the round's GPU time
 against its wall time (the difference is launch overhead).
 
     python bench/expand_kernels.py --batch 1 8 64
@@ -18,6 +18,7 @@ from dartree_ext import ops
 from dartree_ext.head import CorrectionHeadWeights
 
 DEPTH, K, WIDTH, BONUS = 16, 64, 12, -0.2
+KERNELS = ("expand_hidden", "expand_logits", "expand_select", "expand_update")  # a build without one shows 0
 HEADS = {"0.1B": dict(hidden=576, vocab=49152, e=256, g=256, dtype=torch.float32),
          "4B": dict(hidden=2560, vocab=151936, e=512, g=512, dtype=torch.bfloat16)}
 
@@ -29,8 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     a = p.parse_args(argv)
     dev = torch.device("cuda")
-    print("| head | batch | wall us/round | GPU us/round | expand_hidden | expand_select | expand_update | other |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| head | batch | wall us/round | GPU us/round | {' | '.join(KERNELS)} | other |")
+    print("|---|---|---|---|" + "---|" * (len(KERNELS) + 1))
     for name in a.heads:
         spec = HEADS[name]
         for batch in a.batch:
@@ -61,10 +62,10 @@ def main(argv=None) -> int:
             for ev in prof.events():
                 if ev.device_type.name != "CUDA":
                     continue
-                key = next((k for k in ("expand_hidden", "expand_select", "expand_update") if k in ev.name), "other")
+                key = next((k for k in KERNELS if k in ev.name), "other")
                 per[key] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             total = sum(per.values()) / a.reps
-            cells = " | ".join(f"{per[k] / a.reps:.0f}" for k in ("expand_hidden", "expand_select", "expand_update", "other"))
+            cells = " | ".join(f"{per[k] / a.reps:.0f}" for k in KERNELS + ("other",))
             print(f"| {name} | {batch} | {wall:.0f} | {total:.0f} | {cells} |", flush=True)
     return 0
 

@@ -13,13 +13,13 @@ from dartree_ext.head import CorrectionHeadWeights
 VOCAB, HIDDEN, E, G, K, W = 4096, 64, 512, 512, 64, 12
 
 
-def inputs(batch, depth, dtype, seed=0):
+def inputs(batch, depth, dtype, seed=0, k=K, e=E, g=G):
     gen = torch.Generator().manual_seed(seed)
-    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, E, G, dtype=dtype, seed=seed, bias=True)
-    z = torch.randn(batch, depth, E, generator=gen).to(dtype)
-    cand_ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:K] for _ in range(batch * depth)]).view(batch, depth, K)
-    cand_base = (torch.randn(batch, depth, K, generator=gen) * 2).to(dtype)
-    root_state = torch.randn(batch, G, generator=gen).to(dtype)
+    head = CorrectionHeadWeights.random(VOCAB, HIDDEN, e, g, dtype=dtype, seed=seed, bias=True)
+    z = torch.randn(batch, depth, e, generator=gen).to(dtype)
+    cand_ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(batch * depth)]).view(batch, depth, k)
+    cand_base = (torch.randn(batch, depth, k, generator=gen) * 2).to(dtype)
+    root_state = torch.randn(batch, g, generator=gen).to(dtype)
     return head, z, cand_ids, cand_base, root_state
 
 
@@ -28,19 +28,32 @@ def on(head, device):
                                     for f in head.__dataclass_fields__})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_supertree_at_the_paper_shape(backend, dtype):
-    batch, depth = 3, 3  # 3 x 12 = 36 parent rows: three staged chunks per block
-    head, z, cand_ids, cand_base, root_state = inputs(batch, depth, dtype)
-    expected = reference.build_supertree(head, z, cand_ids, cand_base, root_state, [W] * depth, -0.2)
+def assert_supertree_matches(backend, widths, head, z, cand_ids, cand_base, root_state):
+    expected = reference.build_supertree(head, z, cand_ids, cand_base, root_state, widths, -0.2)
     actual = backend.ops.build_supertree(on(head, backend.device), *backend.put(z, cand_ids, cand_base, root_state),
-                                         [W] * depth, -0.2)
+                                         widths, -0.2)
     for a, e in zip(actual, expected):
         a = a.cpu()
         if a.is_floating_point():
             torch.testing.assert_close(a, e, atol=2e-4, rtol=1e-5)
         else:
             assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_supertree_at_the_paper_shape(backend, dtype):
+    batch, depth = 3, 3  # 3 x 12 = 36 parent rows: three staged chunks per block
+    assert_supertree_matches(backend, [W] * depth, *inputs(batch, depth, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_supertree_past_one_staging_batch(backend, dtype):
+    """K = 96 candidates: twelve warps' worth, so the CUDA logits kernel's last block is half
+    empty; 12 parents x 96 = 1152 scores, so each warp's slice of the selection (144) runs past
+    the entries its lanes hold in registers (4 x 32); E = 80 columns, not a multiple of the
+    register batch (8 x 32); G = 40."""
+    widths = [12, 12, 5]
+    assert_supertree_matches(backend, widths, *inputs(2, len(widths), dtype, seed=4, k=96, e=80, g=40))
 
 
 def test_expand_depth_at_the_paper_shape_with_bad_ids(backend):
@@ -74,13 +87,13 @@ def test_expand_depth_at_the_paper_shape_with_bad_ids(backend):
 
 
 def test_cuda_shared_memory_limit_is_a_clear_error(backend):
-    """The CUDA selection kernel's shared memory grows with K, P and W: past 48 KiB the op says so
-    instead of failing to launch (the CPU has no such limit)."""
+    """The CUDA selection kernel's shared memory grows with the width W (18 W floats): past 48 KiB
+    the op says so instead of failing to launch (the CPU has no such limit)."""
     if backend.name != "cuda":
         pytest.skip("a CUDA-only limit")
     head, z, cand_ids, cand_base, root_state = inputs(1, 2, torch.float32)
     with pytest.raises(ValueError, match="shared memory"):
         backend.ops.build_supertree(on(head, backend.device), *backend.put(z, cand_ids, cand_base, root_state),
-                                    [12, 400], -0.2)
+                                    [12, 683], -0.2)
     backend.ops.build_supertree(on(head, backend.device), *backend.put(z, cand_ids, cand_base, root_state),
-                                [12, 150], -0.2)  # (64 + 150) x 33 + 18 x 150 floats fit
+                                [12, 682], -0.2)  # 18 x 682 floats fit

@@ -29,6 +29,7 @@ inline void check_expand_weights(const char* op, const HeadWeights& w, const at:
   check_tensor(op, "fc2_weight", w.fc2_weight, dtype, 2);
   const int64_t v = w.fc2_weight.size(0);
   check_shape(op, "fc2_weight", w.fc2_weight, {v, e});
+  TORCH_CHECK_VALUE(v < (int64_t{1} << 31), op, ": the vocabulary (rows of fc2_weight) must be below 2^31, got ", v);
   check_tensor(op, "gru_table", w.gru_table, dtype, 2);
   check_shape(op, "gru_table", w.gru_table, {v, 3 * g});
   check_tensor(op, "w_hh", w.w_hh, dtype, 2);
@@ -52,12 +53,11 @@ inline void check_expand_sizes(const char* op, int64_t e, int64_t g, int64_t k) 
                     " got E = ", e, ", G = ", g, ", K = ", k);
 }
 
-// The CUDA selection kernel stages the K candidates' and P parents' rows and W-long top lists in
-// the 48 KiB of shared memory a block gets without opting in: (K + P) x 33 + 18 W floats.
-inline void check_expand_cuda_shared(const char* op, int64_t k, int64_t p_max, int64_t width) {
-  TORCH_CHECK_VALUE(kernels::expand_select_shared_floats(k, p_max, width) <= kernels::kExpandSharedLimitFloats, op,
-                    ": on CUDA (K + P) x 33 + 18 W must be at most 12288 (shared memory), got K = ", k, ", P = ", p_max,
-                    ", W = ", width);
+// The CUDA selection kernel keeps its per-warp top-W lists in the 48 KiB of shared memory a block
+// gets without opting in: 18 W floats, so W <= 682.
+inline void check_expand_cuda_shared(const char* op, int64_t width) {
+  TORCH_CHECK_VALUE(kernels::expand_select_shared_floats(width) <= kernels::kExpandSharedLimitFloats, op,
+                    ": on CUDA a depth's width W must be at most 682 (18 W floats of shared memory), got W = ", width);
 }
 
 inline void check_expand_depth_inputs(const HeadWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
@@ -90,7 +90,7 @@ inline void check_expand_depth_inputs(const HeadWeights& w, const at::Tensor& z,
   TORCH_CHECK_VALUE(parent_states.size(1) * cand_ids.size(1) < (int64_t{1} << 31), op, ": P * K must be below 2^31");
   TORCH_CHECK_VALUE(!z.is_cuda() || (batch <= 65535 && parent_states.size(1) <= 65535 && width <= 65535), op,
                     ": CUDA kernels take at most 65535 requests, parents and children per call");
-  if (z.is_cuda()) check_expand_cuda_shared(op, cand_ids.size(1), parent_states.size(1), width);
+  if (z.is_cuda()) check_expand_cuda_shared(op, width);
 }
 
 inline void check_build_supertree_inputs(const HeadWeights& w, const at::Tensor& z, const at::Tensor& cand_ids,
@@ -123,7 +123,7 @@ inline void check_build_supertree_inputs(const HeadWeights& w, const at::Tensor&
   if (z.is_cuda()) {
     int64_t widest = 1;
     for (int64_t width : widths) widest = width > widest ? width : widest;
-    check_expand_cuda_shared(op, cand_ids.size(2), widest, widest);
+    check_expand_cuda_shared(op, widest);
   }
 }
 

@@ -5,16 +5,22 @@
 // of the depth, and the GRU update of the kept children's states. Only the K candidate rows of
 // fc2 are read: nothing of size V is touched per depth.
 //
-// Three kernels per depth, each reading its weights once per launch (weight-stationary):
+// Four kernels per depth, each reading its weights once per launch (weight-stationary):
 //   expand_hidden   grid (E / 8, chunks of 16 parents): SiLU(z + w_s s(u)) for all B x P parents;
 //                   each warp takes a row of w_s over the chunk's states staged in shared memory.
-//   expand_select   grid (B): per request, the K candidates' fc2 rows times the P parents' hidden
-//                   vectors (a shared-memory product: each fc2 row read once per request), the
-//                   log-softmax over K per parent, the top-W children (per-warp lists, merged),
-//                   and a copy of each child's parent state for the update.
+//   expand_logits   grid (K / 8, B): the K candidates' fc2 rows times the P parents' hidden
+//                   vectors; each warp takes one candidate's row over the request's hidden
+//                   vectors staged in shared memory (each fc2 row read once per request).
+//   expand_select   grid (B): per request, the log-softmax over K per parent and the top-W
+//                   children (per-warp lists, merged), and a copy of each child's parent state
+//                   for the update.
 //   expand_update   grid (G / 8, chunks of 16 children), not launched for the last depth: w_hh h
 //                   for all B x W children, each warp taking the r / z / n rows of one state
 //                   element, and the GRU gates in the epilogue.
+// At the paper's sizes every kernel is bound by the latency of global loads, not by bandwidth
+// (a few MB a depth): each thread issues a batch of independent loads before using any
+// (batched_copy, lane_partial_dots), and the per-row epilogues run one row per lane, so their
+// dependent loads (a token, then its gru_table row) overlap instead of running one row at a time.
 // Weights and activations are float32, bfloat16 or float16 (read through `Elem`); accumulation,
 // scores and states float32. Workspace: expand_workspace_floats() floats (launchers.h).
 #pragma once
@@ -48,13 +54,40 @@ struct TypedHeadWeightPtrs {  // HeadWeightPtrs with pointers of the element typ
   int64_t v;
 };
 
+// Global loads a thread issues before it uses any of them: the kernels here are bound by the
+// latency of dependent loads, not by bandwidth, so every staging loop loads a batch into
+// registers first (independent loads in flight together) and only then stores or multiplies.
+constexpr int kLoadBatch = 8;
+
+// For i in [0, n) over the block's threads: store(i, load(i)), kLoadBatch loads in flight per
+// thread. All threads of the block call it.
+template <typename Load, typename Store>
+DARTREE_DEVICE void batched_copy(int n, Load load, Store store) {
+  for (int i0 = threadIdx.x; i0 < n; i0 += kLoadBatch * blockDim.x) {
+    float v[kLoadBatch];
+DARTREE_UNROLL
+    for (int q = 0; q < kLoadBatch; ++q) {
+      const int i = i0 + q * static_cast<int>(blockDim.x);
+      v[q] = i < n ? load(i) : 0.0f;
+    }
+DARTREE_UNROLL
+    for (int q = 0; q < kLoadBatch; ++q) {
+      const int i = i0 + q * static_cast<int>(blockDim.x);
+      if (i < n) store(i, v[q]);
+    }
+  }
+}
+
 // Stage activation rows [row0, row0 + n) of x [rows, cols] (float32) in shared memory; rows past
 // `rows` read as 0. All threads of the block call it.
 DARTREE_DEVICE void stage_activations(const float* x, int64_t rows, int cols, int64_t row0, int n, float* s_x) {
-  for (int i = threadIdx.x; i < n * cols; i += blockDim.x) {
-    const int64_t r = row0 + i / cols;
-    s_x[i] = r < rows ? x[r * cols + i % cols] : 0.0f;
-  }
+  batched_copy(
+      n * cols,
+      [&](int i) {
+        const int64_t r = row0 + i / cols;
+        return r < rows ? x[r * cols + i % cols] : 0.0f;
+      },
+      [&](int i, float v) { s_x[i] = v; });
 }
 
 // This lane's share (columns lane, lane + 32, ...) of the dot products of kRows weight rows
@@ -67,16 +100,28 @@ DARTREE_UNROLL
   for (int r = 0; r < kRowsPerChunk; ++r)
 DARTREE_UNROLL
     for (int i = 0; i < kRows; ++i) acc[r][i] = 0.0f;
-  for (int c = threadIdx.x % warpSize; c < cols; c += warpSize) {
-    float w[kRows];
+  // kColBatch columns' weights loaded before any is used; each lane still adds its columns in
+  // increasing order (the same sums as one column at a time)
+  constexpr int kColBatch = kRows == 1 ? kLoadBatch : kLoadBatch / 2;
+  for (int c0 = threadIdx.x % warpSize; c0 < cols; c0 += kColBatch * warpSize) {
+    float w[kColBatch][kRows];
 DARTREE_UNROLL
-    for (int i = 0; i < kRows; ++i) w[i] = w_rows[i] != nullptr ? to_float(w_rows[i][c]) : 0.0f;
+    for (int q = 0; q < kColBatch; ++q) {
+      const int c = c0 + q * warpSize;
 DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r) {
-      if (r < n) {
-        const float x = s_x[r * cols + c];
+      for (int i = 0; i < kRows; ++i) w[q][i] = (c < cols && w_rows[i] != nullptr) ? to_float(w_rows[i][c]) : 0.0f;
+    }
 DARTREE_UNROLL
-        for (int i = 0; i < kRows; ++i) acc[r][i] += w[i] * x;
+    for (int q = 0; q < kColBatch; ++q) {
+      const int c = c0 + q * warpSize;
+      if (c >= cols) break;
+DARTREE_UNROLL
+      for (int r = 0; r < kRowsPerChunk; ++r) {
+        if (r < n) {
+          const float x = s_x[r * cols + c];
+DARTREE_UNROLL
+          for (int i = 0; i < kRows; ++i) acc[r][i] += w[q][i] * x;
+        }
       }
     }
   }
@@ -104,30 +149,58 @@ __global__ void expand_hidden_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     __syncthreads();
     float acc[kRowsPerChunk][1];
     lane_partial_dots(w_row, s_x, n, g, acc);
+    // every lane gets every row's sum; lane r finishes row r, so the rows' loads of z run together
+    float mine = 0.0f;
 DARTREE_UNROLL
     for (int r = 0; r < kRowsPerChunk; ++r) {
       if (r >= n) break;  // uniform per warp
-      const int64_t row = row0 + r;
       const float v = warp_sum(acc[r][0]);
-      if (lane == 0 && e0 < e) {
-        const Elem* z_row = static_cast<const Elem*>(in.z) + (row / in.p_max) * in.z_stride;
-        const float a = v + to_float(z_row[e0]);
-        hidden[row * e + e0] = a * sigmoid(a);  // SiLU
-      }
+      if (lane == r) mine = v;
+    }
+    if (lane < n && e0 < e) {
+      const int64_t row = row0 + lane;
+      const Elem* z_row = static_cast<const Elem*>(in.z) + (row / in.p_max) * in.z_stride;
+      const float a = mine + to_float(z_row[e0]);
+      hidden[row * e + e0] = a * sigmoid(a);  // SiLU
     }
   }
 }
 
-// Next best of `values` after `previous` in the selection order (higher score, then lower index),
-// over one warp: lane l scans indices l, l + 32, ... of [0, n) (index = idx_base + i, or the
-// candidate's own index when `indices` is given). Every lane gets the result.
-DARTREE_DEVICE Candidate warp_next_best(const float* values, const int* indices, int n, int idx_base,
-                                        Candidate previous) {
+// A lane's first kLaneCache entries of a warp-strided list (indices lane, lane + 32, ...), kept
+// in registers across the W rounds of a top-W selection instead of re-read every round.
+constexpr int kLaneCache = 4;
+struct LaneCandidates {
+  Candidate c[kLaneCache];
+};
+
+// Entry i of a list: its sanitized score and its index (idx_base + i, or indices[i] when given).
+DARTREE_DEVICE Candidate list_entry(const float* values, const int* indices, int idx_base, int i) {
+  return Candidate{sanitize_score(values[i]), indices != nullptr ? indices[i] : idx_base + i};
+}
+
+DARTREE_DEVICE LaneCandidates lane_candidates(const float* values, const int* indices, int n, int idx_base) {
+  LaneCandidates out;
+DARTREE_UNROLL
+  for (int q = 0; q < kLaneCache; ++q) {
+    const int i = threadIdx.x % warpSize + q * warpSize;
+    out.c[q] = i < n ? list_entry(values, indices, idx_base, i) : Candidate{kNegInf, kNoCandidate};
+  }
+  return out;
+}
+
+// Next best of the list [0, n) after `previous` in the selection order (higher score, then lower
+// index), over one warp: each lane takes its cached entries, then scans the rest of its indices
+// (past kLaneCache x 32) in memory. Every lane gets the result.
+DARTREE_DEVICE Candidate warp_next_best(const LaneCandidates& cached, const float* values, const int* indices, int n,
+                                        int idx_base, Candidate previous) {
   Candidate mine{kNegInf, kNoCandidate};
-  for (int i = threadIdx.x % warpSize; i < n; i += warpSize) {
-    const float s = sanitize_score(values[i]);
-    const int index = indices != nullptr ? indices[i] : idx_base + i;
-    if (index != kNoCandidate && better(previous.score, previous.index, s, index)) mine = better_of(mine, Candidate{s, index});
+  const auto consider = [&](Candidate c) {
+    if (c.index != kNoCandidate && better(previous.score, previous.index, c.score, c.index)) mine = better_of(mine, c);
+  };
+DARTREE_UNROLL
+  for (int q = 0; q < kLaneCache; ++q) consider(cached.c[q]);
+  for (int i = threadIdx.x % warpSize + kLaneCache * warpSize; i < n; i += warpSize) {
+    consider(list_entry(values, indices, idx_base, i));
   }
   for (int offset = warpSize / 2; offset > 0; offset /= 2) {
     Candidate other;
@@ -138,74 +211,67 @@ DARTREE_DEVICE Candidate warp_next_best(const float* values, const int* indices,
   return mine;
 }
 
-constexpr int kSelectOutputsPerThread = 4;
+// grid (ceil(K / warps), B): the corrected logits of request b's candidates for its valid parents,
+// row_scores[b, p, c] = cand_base[c] + fc2_weight[id_c] . hidden[b, p] (+ fc2_bias[id_c]), -inf for
+// an out-of-range id (whose row is never read). Each warp takes one candidate's fc2 row and runs
+// it over the request's parents' hidden vectors, staged in shared memory a chunk at a time, so
+// the product spreads over K / 8 blocks per request and each fc2 row is read once per request.
+template <typename Elem>
+__global__ void expand_logits_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInputs in, const float* hidden,
+                                     float* cand_scores) {
+  DARTREE_DYNAMIC_SHARED(float, s_x);
+  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
+  const int b = blockIdx.y, k = in.k, e = head.e;
+  int parents_here = in.num_parents[b];
+  parents_here = parents_here < 0 ? 0 : (parents_here > in.p_max ? in.p_max : parents_here);
+  const int c = blockIdx.x * warps + warp;  // this warp's candidate
+  const int64_t id = c < k ? in.cand_ids[b * in.cand_stride + c] : -1;
+  const bool valid = id >= 0 && id < head.v;
+  const Elem* const f_row[1] = {valid ? head.fc2_weight + id * e : nullptr};
+  float offset = kNegInf;  // cand_base + bias, or -inf for an out-of-range id
+  if (valid) {
+    offset = to_float(static_cast<const Elem*>(in.cand_base)[b * in.cand_stride + c]) +
+             (head.fc2_bias != nullptr ? to_float(head.fc2_bias[id]) : 0.0f);
+  }
+  const float* h_rows = hidden + static_cast<int64_t>(b) * in.p_max * e;
+  float* row_scores = cand_scores + static_cast<int64_t>(b) * in.p_max * k;
+  const int chunk = stage_rows(e);
+  for (int row0 = 0; row0 < parents_here; row0 += chunk) {
+    const int n = parents_here - row0 < chunk ? parents_here - row0 : chunk;
+    __syncthreads();
+    stage_activations(h_rows, parents_here, e, row0, n, s_x);
+    __syncthreads();
+    float acc[kRowsPerChunk][1];
+    lane_partial_dots(f_row, s_x, n, e, acc);
+    float mine = 0.0f;  // lane r: parent row0 + r's dot product
+DARTREE_UNROLL
+    for (int r = 0; r < kRowsPerChunk; ++r) {
+      if (r >= n) break;  // uniform per warp
+      const float v = warp_sum(acc[r][0]);
+      if (lane == r) mine = v;
+    }
+    if (lane < n && c < k) row_scores[static_cast<int64_t>(row0 + lane) * k + c] = valid ? mine + offset : kNegInf;
+  }
+}
 
-// grid (B). For request b: cand_scores[b, p, k] = parent_scores[b, p] + depth_bonus + log q(k | p)
-// for its valid parents, from the product of the K candidate fc2 rows and the P parents' hidden
-// vectors, staged in shared memory 32 columns at a time (each fc2 row is read once per request);
-// then the top-W children (best first, ties to the lower p * K + k): each warp takes the top W of
-// its slice, warp 0 merges them. Each child's parent state is copied to child_h[b, w] for
-// expand_update, and the next depth's parent count written.
+// grid (B). For request b, from expand_logits' corrected logits: cand_scores[b, p, k] =
+// parent_scores[b, p] + depth_bonus + log q(k | p) for its valid parents (the log-softmax over K,
+// a warp per parent), then the top-W children (best first, ties to the lower p * K + k): each warp
+// takes the top W of its slice (each lane's first entries held in registers over the W rounds),
+// warp 0 merges them. Each child's parent state is copied to child_h[b, w] for expand_update, and
+// the next depth's parent count written.
 template <typename Elem>
 __global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInputs in, float* cand_scores,
-                                     const float* hidden, float* child_h, ExpandOutputs out) {
-  DARTREE_DYNAMIC_SHARED(float, s_f);
-  const int b = blockIdx.x, k = in.k, e = head.e, g = head.g, width = in.width;
+                                     float* child_h, ExpandOutputs out) {
+  DARTREE_DYNAMIC_SHARED(float, s_top);  // [warps + 1][W] scores, then [warps + 1][W] indices
+  const int b = blockIdx.x, k = in.k, g = head.g, width = in.width;
   const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, warps = blockDim.x / warpSize;
   int parents_here = in.num_parents[b];
   parents_here = parents_here < 0 ? 0 : (parents_here > in.p_max ? in.p_max : parents_here);
-  float* s_h = s_f + k * (kSelectChunk + 1);
-  float* s_top = s_h + in.p_max * (kSelectChunk + 1);  // [warps + 1][W] scores
-  int* s_top_idx = reinterpret_cast<int*>(s_top + (warps + 1) * width);  // [warps + 1][W] indices
+  int* s_top_idx = reinterpret_cast<int*>(s_top + (warps + 1) * width);
   float* row_scores = cand_scores + static_cast<int64_t>(b) * in.p_max * k;
-  const float* h_rows = hidden + static_cast<int64_t>(b) * in.p_max * e;
   const int64_t* ids = in.cand_ids + b * in.cand_stride;
-  const Elem* base = static_cast<const Elem*>(in.cand_base) + b * in.cand_stride;
   const int count = parents_here * k;
-
-  // corrected logits: outputs o = p * K + c, kSelectOutputsPerThread per thread per group
-  for (int o0 = 0; o0 < count; o0 += kSelectOutputsPerThread * blockDim.x) {
-    float acc[kSelectOutputsPerThread];
-    DARTREE_UNROLL
-    for (int q = 0; q < kSelectOutputsPerThread; ++q) acc[q] = 0.0f;
-    for (int e0 = 0; e0 < e; e0 += kSelectChunk) {
-      __syncthreads();
-      for (int i = threadIdx.x; i < k * kSelectChunk; i += blockDim.x) {
-        const int c = i / kSelectChunk, j = i % kSelectChunk;
-        const int64_t id = ids[c];
-        // an out-of-range id reads nothing (its logit is set to -inf below)
-        s_f[c * (kSelectChunk + 1) + j] = (id >= 0 && id < head.v && e0 + j < e) ? to_float(head.fc2_weight[id * e + e0 + j]) : 0.0f;
-      }
-      for (int i = threadIdx.x; i < parents_here * kSelectChunk; i += blockDim.x) {
-        const int p = i / kSelectChunk, j = i % kSelectChunk;
-        s_h[p * (kSelectChunk + 1) + j] = e0 + j < e ? h_rows[static_cast<int64_t>(p) * e + e0 + j] : 0.0f;
-      }
-      __syncthreads();
-      DARTREE_UNROLL
-      for (int q = 0; q < kSelectOutputsPerThread; ++q) {
-        const int o = o0 + q * blockDim.x + threadIdx.x;
-        if (o < count) {
-          const float* f = s_f + (o % k) * (kSelectChunk + 1);
-          const float* h = s_h + (o / k) * (kSelectChunk + 1);
-          float sum = 0.0f;
-          DARTREE_UNROLL
-          for (int j = 0; j < kSelectChunk; ++j) sum += f[j] * h[j];
-          acc[q] += sum;
-        }
-      }
-    }
-    DARTREE_UNROLL
-    for (int q = 0; q < kSelectOutputsPerThread; ++q) {
-      const int o = o0 + q * blockDim.x + threadIdx.x;
-      if (o < count) {
-        const int c = o % k;
-        const int64_t id = ids[c];
-        const bool valid = id >= 0 && id < head.v;
-        row_scores[o] = valid ? acc[q] + to_float(base[c]) + (head.fc2_bias != nullptr ? to_float(head.fc2_bias[id]) : 0.0f)
-                              : kNegInf;
-      }
-    }
-  }
   __syncthreads();
   for (int p = warp; p < parents_here; p += warps) {  // log-softmax over K, a warp per parent
     float* logits = row_scores + p * k;
@@ -225,9 +291,10 @@ __global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
   const int lo = warp * per_warp < count ? warp * per_warp : count;
   const int hi = lo + per_warp < count ? lo + per_warp : count;
   Candidate previous{kPosInf, -1};
+  const LaneCandidates slice = lane_candidates(row_scores + lo, nullptr, hi - lo, lo);
   for (int w = 0; w < width; ++w) {
     const Candidate next = previous.index == kNoCandidate ? previous
-                                                          : warp_next_best(row_scores + lo, nullptr, hi - lo, lo, previous);
+                                                          : warp_next_best(slice, row_scores + lo, nullptr, hi - lo, lo, previous);
     if (lane == 0) {
       s_top[warp * width + w] = next.score;
       s_top_idx[warp * width + w] = next.index;
@@ -237,9 +304,10 @@ __global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
   __syncthreads();
   if (warp == 0) {
     previous = Candidate{kPosInf, -1};
+    const LaneCandidates lists = lane_candidates(s_top, s_top_idx, warps * width, 0);
     for (int w = 0; w < width; ++w) {
       const Candidate next = previous.index == kNoCandidate ? previous
-                                                            : warp_next_best(s_top, s_top_idx, warps * width, 0, previous);
+                                                            : warp_next_best(lists, s_top, s_top_idx, warps * width, 0, previous);
       if (lane == 0) {
         s_top[warps * width + w] = next.score;
         s_top_idx[warps * width + w] = next.index;
@@ -304,13 +372,23 @@ __global__ void expand_update_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     __syncthreads();
     float acc[kRowsPerChunk][3];
     lane_partial_dots(w_rows, s_x, n, g, acc);
+    // every lane gets every row's sums; lane r finishes row r, so the rows' dependent loads (token,
+    // then its gru_table row) run together instead of one row after another
+    float gh_r = 0.0f, gh_z = 0.0f, gh_n = 0.0f;
 DARTREE_UNROLL
     for (int r = 0; r < kRowsPerChunk; ++r) {
       if (r >= n) break;  // uniform per warp
+      const float sr = warp_sum(acc[r][0]), sz = warp_sum(acc[r][1]), sn = warp_sum(acc[r][2]);
+      if (lane == r) {
+        gh_r = sr;
+        gh_z = sz;
+        gh_n = sn;
+      }
+    }
+    if (lane < n && j < g) {
+      const int r = lane;
       const int64_t row = row0 + r;
       const int b = static_cast<int>(row / in.width), w = static_cast<int>(row % in.width);
-      float gh_r = warp_sum(acc[r][0]), gh_z = warp_sum(acc[r][1]), gh_n = warp_sum(acc[r][2]);
-      if (lane != 0 || j >= g) continue;
       const bool child = w < out.num_children[b];  // the select kernel's count (parent_idx can be -1: the root)
       const int64_t token = out.tokens[static_cast<int64_t>(b) * out.stride + w];
       // a -inf child with an out-of-range token (every candidate was out of range) reads no table row
@@ -352,6 +430,7 @@ void launch_expand_depth_as(const HeadWeightPtrs& weights, const ExpandInputs& i
   float* hidden = cand_scores + static_cast<int64_t>(in.batch) * in.p_max * in.k;
   float* child_h = hidden + static_cast<int64_t>(in.batch) * in.p_max * head.e;
   const size_t staged = sizeof(float) * static_cast<size_t>(stage_rows(head.g)) * head.g;
+  if (in.width == 0) return;  // no children: nothing to score
   if (in.p_max > 0) {
     // a block per staged chunk of parents: every chunk re-reads its w_s rows (from L2), which buys
     // one block per 16 parents x 8 rows of w_s of parallelism
@@ -361,13 +440,18 @@ void launch_expand_depth_as(const HeadWeightPtrs& weights, const ExpandInputs& i
     auto hidden_kernel = expand_hidden_kernel<Elem>;
     DARTREE_LAUNCH(hidden_kernel, dim3(col_blocks, static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)),
                    dim3(kExpandThreads), staged, stream, head, in, hidden, rows_per_block);
+    // a warp per candidate, K / 8 blocks per request
+    auto logits_kernel = expand_logits_kernel<Elem>;
+    const size_t staged_e = sizeof(float) * static_cast<size_t>(stage_rows(head.e)) * head.e;
+    DARTREE_LAUNCH(logits_kernel, dim3(static_cast<unsigned>((in.k + warps - 1) / warps), static_cast<unsigned>(in.batch)),
+                   dim3(kExpandThreads), staged_e, stream, head, in, hidden, cand_scores);
   }
-  if (in.width > 0) {
+  {
     const bool update = out.child_states != nullptr;  // null: the last depth, whose children are never expanded
     auto select_kernel = expand_select_kernel<Elem>;
-    const size_t select_shared = sizeof(float) * static_cast<size_t>(expand_select_shared_floats(in.k, in.p_max, in.width));
+    const size_t select_shared = sizeof(float) * static_cast<size_t>(expand_select_shared_floats(in.width));
     DARTREE_LAUNCH(select_kernel, dim3(static_cast<unsigned>(in.batch)), dim3(kExpandThreads), select_shared, stream, head,
-                   in, cand_scores, hidden, update ? child_h : nullptr, out);
+                   in, cand_scores, update ? child_h : nullptr, out);
     if (update) {
       const int64_t rows = static_cast<int64_t>(in.batch) * in.width;
       const int rows_per_block = stage_rows(head.g);

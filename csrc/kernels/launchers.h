@@ -130,13 +130,10 @@ struct ExpandOutputs {  // rows `stride` apart; the depth's W children start at 
 };
 
 constexpr int kExpandThreads = 256;  // threads per block of the expand kernels
-constexpr int kSelectChunk = 32;     // E columns staged per step of expand_select's candidate x parent product
 
-// Dynamic shared memory of expand_select, in floats: the staged fc2 rows and parents' hidden
-// vectors ((K + P) x 33) and the per-warp top-W lists (warps + 1 lists of W scores and indices).
-inline int64_t expand_select_shared_floats(int64_t k, int64_t p_max, int64_t width) {
-  return (k + p_max) * (kSelectChunk + 1) + 2 * (kExpandThreads / 32 + 1) * width;
-}
+// Dynamic shared memory of expand_select, in floats: the per-warp top-W lists (warps + 1 lists of
+// W scores and indices).
+inline int64_t expand_select_shared_floats(int64_t width) { return 2 * (kExpandThreads / 32 + 1) * width; }
 constexpr int64_t kExpandSharedLimitFloats = 48 * 1024 / 4;  // what a block gets without opting in
 
 // Floats of the workspace one depth needs: candidate scores [B, P, K], the parents' hidden
@@ -145,7 +142,8 @@ inline int64_t expand_workspace_floats(int64_t batch, int64_t p_max, int64_t k, 
   return batch * (p_max * k + p_max * e + width * g);
 }
 
-// Three launches: expand_hidden, expand_select, expand_update (not when child_states is null).
+// Four launches: expand_hidden, expand_logits, expand_select, expand_update (not when child_states
+// is null); none when width is 0.
 void launch_expand_depth(const HeadWeightPtrs& head, const ExpandInputs& in, float* workspace, const ExpandOutputs& out,
                          cudaStream_t stream);
 
