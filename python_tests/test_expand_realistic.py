@@ -47,13 +47,16 @@ def test_supertree_at_the_paper_shape(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_supertree_past_one_staging_batch(backend, dtype):
-    """K = 96 candidates: twelve warps' worth, so the CUDA logits kernel's last block is half
-    empty; 12 parents x 96 = 1152 scores, so each warp's slice of the selection (144) runs past
-    the entries its lanes hold in registers (4 x 32); E = 80 columns, not a multiple of the
-    register batch (8 x 32); G = 40."""
+@pytest.mark.parametrize("k, e, g", [(96, 80, 40), (160, 40, 300)])
+def test_supertree_past_one_staging_batch(backend, dtype, k, e, g):
+    """Shapes past what one batch of registers holds. K = 96 candidates: twelve warps' worth, so
+    the CUDA logits kernel's last block is half empty; 12 parents x 96 = 1152 scores, so each
+    warp's slice of the selection (144) runs past the entries its lanes hold in registers
+    (4 x 32); E = 80 columns, not a multiple of the register batch (8 x 32). K = 160: the
+    log-softmax's logits past the 128 its lanes hold; G = 300: a parent state copied to its
+    children in two batches of loads, the second partial."""
     widths = [12, 12, 5]
-    assert_supertree_matches(backend, widths, *inputs(2, len(widths), dtype, seed=4, k=96, e=80, g=40))
+    assert_supertree_matches(backend, widths, *inputs(2, len(widths), dtype, seed=4, k=k, e=e, g=g))
 
 
 def test_expand_depth_at_the_paper_shape_with_bad_ids(backend):

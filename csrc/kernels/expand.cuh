@@ -275,15 +275,29 @@ __global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
   __syncthreads();
   for (int p = warp; p < parents_here; p += warps) {  // log-softmax over K, a warp per parent
     float* logits = row_scores + p * k;
+    float v[kLaneCache];  // this lane's first logits (c = lane, lane + 32, ...), loaded together
+DARTREE_UNROLL
+    for (int q = 0; q < kLaneCache; ++q) v[q] = lane + q * warpSize < k ? logits[lane + q * warpSize] : kNegInf;
+    const int rest = lane + kLaneCache * warpSize;  // K > 128: the rest in memory
     float m = kNegInf;
-    for (int c = lane; c < k; c += warpSize) m = logits[c] > m ? logits[c] : m;
+DARTREE_UNROLL
+    for (int q = 0; q < kLaneCache; ++q) m = v[q] > m ? v[q] : m;
+    for (int c = rest; c < k; c += warpSize) m = logits[c] > m ? logits[c] : m;
     m = warp_max(m);
     float sum = 0.0f;
-    for (int c = lane; c < k; c += warpSize) sum += expf(logits[c] - m);
+DARTREE_UNROLL
+    for (int q = 0; q < kLaneCache; ++q) {
+      if (lane + q * warpSize < k) sum += expf(v[q] - m);
+    }
+    for (int c = rest; c < k; c += warpSize) sum += expf(logits[c] - m);
     sum = warp_sum(sum);
     const float offset = in.parent_scores[b * in.parent_score_stride + p] + in.depth_bonus - (m + logf(sum));
     __syncwarp();
-    for (int c = lane; c < k; c += warpSize) logits[c] += offset;
+DARTREE_UNROLL
+    for (int q = 0; q < kLaneCache; ++q) {
+      if (lane + q * warpSize < k) logits[lane + q * warpSize] = v[q] + offset;
+    }
+    for (int c = rest; c < k; c += warpSize) logits[c] += offset;
   }
   __syncthreads();
   // each warp: the top W of its slice [lo, hi); then warp 0 merges the warps' lists
@@ -341,7 +355,15 @@ __global__ void expand_select_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     if (child_h != nullptr) {
       const float* h = in.parent_states + (static_cast<int64_t>(b) * in.p_max + p) * g;
       float* h_out = child_h + (static_cast<int64_t>(b) * width + w) * g;
-      for (int j = lane; j < g; j += warpSize) h_out[j] = h[j];
+      for (int j0 = lane; j0 < g; j0 += kLoadBatch * warpSize) {  // loads first, then stores
+        float x[kLoadBatch];
+DARTREE_UNROLL
+        for (int q = 0; q < kLoadBatch; ++q) x[q] = j0 + q * warpSize < g ? h[j0 + q * warpSize] : 0.0f;
+DARTREE_UNROLL
+        for (int q = 0; q < kLoadBatch; ++q) {
+          if (j0 + q * warpSize < g) h_out[j0 + q * warpSize] = x[q];
+        }
+      }
     }
   }
 }
