@@ -59,20 +59,20 @@ struct TypedHeadWeightPtrs {  // HeadWeightPtrs with pointers of the element typ
 // registers first (independent loads in flight together) and only then stores or multiplies.
 constexpr int kLoadBatch = 8;
 
-// For i in [0, n) over the block's threads: store(i, load(i)), kLoadBatch loads in flight per
-// thread. All threads of the block call it.
+// For i = first, first + stride, ... below n: store(i, load(i)), kLoadBatch loads in flight per
+// thread (first / stride: threadIdx.x / blockDim.x for a block's copy, lane / warpSize for a warp's).
 template <typename Load, typename Store>
-DARTREE_DEVICE void batched_copy(int n, Load load, Store store) {
-  for (int i0 = threadIdx.x; i0 < n; i0 += kLoadBatch * blockDim.x) {
+DARTREE_DEVICE void batched_copy(int first, int stride, int n, Load load, Store store) {
+  for (int i0 = first; i0 < n; i0 += kLoadBatch * stride) {
     float v[kLoadBatch];
 DARTREE_UNROLL
     for (int q = 0; q < kLoadBatch; ++q) {
-      const int i = i0 + q * static_cast<int>(blockDim.x);
+      const int i = i0 + q * stride;
       v[q] = i < n ? load(i) : 0.0f;
     }
 DARTREE_UNROLL
     for (int q = 0; q < kLoadBatch; ++q) {
-      const int i = i0 + q * static_cast<int>(blockDim.x);
+      const int i = i0 + q * stride;
       if (i < n) store(i, v[q]);
     }
   }
@@ -82,7 +82,7 @@ DARTREE_UNROLL
 // `rows` read as 0. All threads of the block call it.
 DARTREE_DEVICE void stage_activations(const float* x, int64_t rows, int cols, int64_t row0, int n, float* s_x) {
   batched_copy(
-      n * cols,
+      threadIdx.x, blockDim.x, n * cols,
       [&](int i) {
         const int64_t r = row0 + i / cols;
         return r < rows ? x[r * cols + i % cols] : 0.0f;
@@ -355,15 +355,7 @@ DARTREE_UNROLL
     if (child_h != nullptr) {
       const float* h = in.parent_states + (static_cast<int64_t>(b) * in.p_max + p) * g;
       float* h_out = child_h + (static_cast<int64_t>(b) * width + w) * g;
-      for (int j0 = lane; j0 < g; j0 += kLoadBatch * warpSize) {  // loads first, then stores
-        float x[kLoadBatch];
-DARTREE_UNROLL
-        for (int q = 0; q < kLoadBatch; ++q) x[q] = j0 + q * warpSize < g ? h[j0 + q * warpSize] : 0.0f;
-DARTREE_UNROLL
-        for (int q = 0; q < kLoadBatch; ++q) {
-          if (j0 + q * warpSize < g) h_out[j0 + q * warpSize] = x[q];
-        }
-      }
+      batched_copy(lane, warpSize, g, [&](int j) { return h[j]; }, [&](int j, float x) { h_out[j] = x; });
     }
   }
 }
