@@ -127,6 +127,26 @@ DARTREE_UNROLL
   }
 }
 
+// The warp's sums of lane_partial_dots' rows, handed out one row per lane: lane r < n gets row r's
+// kRows sums in `mine` (every lane computes every butterfly sum, the same bits), so the rows'
+// epilogues and their dependent loads run side by side instead of one row after another.
+template <int kRows>
+DARTREE_DEVICE void row_sums_by_lane(const float (&acc)[kRowsPerChunk][kRows], int n, float (&mine)[kRows]) {
+DARTREE_UNROLL
+  for (int i = 0; i < kRows; ++i) mine[i] = 0.0f;
+DARTREE_UNROLL
+  for (int r = 0; r < kRowsPerChunk; ++r) {
+    if (r >= n) break;  // uniform per warp
+    float sums[kRows];
+DARTREE_UNROLL
+    for (int i = 0; i < kRows; ++i) sums[i] = warp_sum(acc[r][i]);
+    if (static_cast<int>(threadIdx.x % warpSize) == r) {
+DARTREE_UNROLL
+      for (int i = 0; i < kRows; ++i) mine[i] = sums[i];
+    }
+  }
+}
+
 // grid (ceil(E / warps), ceil(R / rows_per_block)), R = B x P: hidden[r, e] = SiLU(z[b(r), e]
 // + sum_g w_s[e, g] states[r, g]). Each warp reads its row of w_s once per staged chunk of
 // parents and keeps per-lane partial sums for every staged row; one warp reduction per output.
@@ -149,18 +169,12 @@ __global__ void expand_hidden_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     __syncthreads();
     float acc[kRowsPerChunk][1];
     lane_partial_dots(w_row, s_x, n, g, acc);
-    // every lane gets every row's sum; lane r finishes row r, so the rows' loads of z run together
-    float mine = 0.0f;
-DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r) {
-      if (r >= n) break;  // uniform per warp
-      const float v = warp_sum(acc[r][0]);
-      if (lane == r) mine = v;
-    }
+    float mine[1];  // lane r: row row0 + r
+    row_sums_by_lane(acc, n, mine);
     if (lane < n && e0 < e) {
       const int64_t row = row0 + lane;
       const Elem* z_row = static_cast<const Elem*>(in.z) + (row / in.p_max) * in.z_stride;
-      const float a = mine + to_float(z_row[e0]);
+      const float a = mine[0] + to_float(z_row[e0]);
       hidden[row * e + e0] = a * sigmoid(a);  // SiLU
     }
   }
@@ -243,14 +257,9 @@ __global__ void expand_logits_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     __syncthreads();
     float acc[kRowsPerChunk][1];
     lane_partial_dots(f_row, s_x, n, e, acc);
-    float mine = 0.0f;  // lane r: parent row0 + r's dot product
-DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r) {
-      if (r >= n) break;  // uniform per warp
-      const float v = warp_sum(acc[r][0]);
-      if (lane == r) mine = v;
-    }
-    if (lane < n && c < k) row_scores[static_cast<int64_t>(row0 + lane) * k + c] = valid ? mine + offset : kNegInf;
+    float mine[1];  // lane r: parent row0 + r's dot product
+    row_sums_by_lane(acc, n, mine);
+    if (lane < n && c < k) row_scores[static_cast<int64_t>(row0 + lane) * k + c] = valid ? mine[0] + offset : kNegInf;
   }
 }
 
@@ -386,19 +395,9 @@ __global__ void expand_update_kernel(TypedHeadWeightPtrs<Elem> head, ExpandInput
     __syncthreads();
     float acc[kRowsPerChunk][3];
     lane_partial_dots(w_rows, s_x, n, g, acc);
-    // every lane gets every row's sums; lane r finishes row r, so the rows' dependent loads (token,
-    // then its gru_table row) run together instead of one row after another
-    float gh_r = 0.0f, gh_z = 0.0f, gh_n = 0.0f;
-DARTREE_UNROLL
-    for (int r = 0; r < kRowsPerChunk; ++r) {
-      if (r >= n) break;  // uniform per warp
-      const float sr = warp_sum(acc[r][0]), sz = warp_sum(acc[r][1]), sn = warp_sum(acc[r][2]);
-      if (lane == r) {
-        gh_r = sr;
-        gh_z = sz;
-        gh_n = sn;
-      }
-    }
+    float gh[3];  // lane r: child row0 + r's w_hh h (r, z, n gates)
+    row_sums_by_lane(acc, n, gh);
+    float gh_r = gh[0], gh_z = gh[1], gh_n = gh[2];
     if (lane < n && j < g) {
       const int r = lane;
       const int64_t row = row0 + r;
