@@ -324,6 +324,30 @@ def test_corpus_index_by_hand():
     assert CorpusIndex([[3, 4]]).propose([9, 3, 4, 3], 3) == ([4], 1)  # no match crosses two documents
 
 
+def test_corpus_index_is_safe_across_threads():
+    """One index shared by several threads (each bisection reads the suffixes at its own width):
+    every thread's proposals equal the single-threaded ones, with the interpreter switching
+    threads as often as it can."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 6, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(40)]
+    corpus = CorpusIndex(docs)
+    contexts = [torch.randint(0, 6, (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(300)]
+    expected = [corpus.propose(c, 8) for c in contexts]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = [list(pool.map(lambda c: corpus.propose(c, 8), contexts)) for _ in range(3)]
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(g == expected for g in got)
+
+
 def test_corpus_index_counts_many_occurrences_from_a_sample():
     """Past 4096 matching occurrences the next token's counts come from an even sample of them
     (the suffixes sharing a next token are contiguous, so a clear majority stays the majority)."""

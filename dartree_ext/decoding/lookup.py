@@ -228,10 +228,14 @@ def suffix_array(tokens) -> np.ndarray:
 
 class _Suffixes:
     """The suffix array as a sorted sequence of byte strings, for :mod:`bisect`: item ``i`` is the
-    first ``width`` tokens of suffix ``i``, big-endian, so byte order is token order."""
+    first ``width`` bytes of suffix ``i`` (``size`` bytes a token, big-endian, so byte order is
+    token order). One view per lookup: the width is never changed after construction, so
+    lookups in several threads over one index do not interfere."""
 
-    def __init__(self, data: bytes, sa, size: int) -> None:
-        self.data, self.sa, self.size, self.width = data, sa, size, 0
+    __slots__ = ("data", "sa", "size", "width")
+
+    def __init__(self, data: bytes, sa, size: int, width: int) -> None:
+        self.data, self.sa, self.size, self.width = data, sa, size, width
 
     def __len__(self) -> int:
         return len(self.sa)
@@ -269,7 +273,6 @@ class CorpusIndex:
             raise ValueError(f"a corpus needs one suffix per token: {len(self.tokens)} tokens, {len(self.sa)} suffixes")
         self.separator = 2 ** 32 - 1
         self._bytes = self.tokens.astype(">u4").tobytes()
-        self._suffixes = _Suffixes(self._bytes, self.sa, 4)
 
     @property
     def documents(self) -> int:
@@ -299,8 +302,7 @@ class CorpusIndex:
     def _range(self, pattern: Sequence[int], lo: int = 0, hi: int | None = None) -> tuple[int, int]:
         """Suffix-array rows ``[lo, hi)`` of the suffixes that start with ``pattern``."""
         key = b"".join(int(t).to_bytes(4, "big") for t in pattern)
-        suffixes = self._suffixes
-        suffixes.width = len(key)
+        suffixes = _Suffixes(self._bytes, self.sa, 4, len(key))
         hi = len(suffixes) if hi is None else hi
         first = bisect.bisect_left(suffixes, key, lo, hi)
         return first, bisect.bisect_right(suffixes, key, first, hi)
