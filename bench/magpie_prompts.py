@@ -18,6 +18,15 @@ haiku, stories, letters and other short pieces of writing."
     python bench/magpie_prompts.py --num 500 --out dartree_ext/data/magpie_explain_smollm2.jsonl --seed 4 \
         --source magpie-explain --system "You are a knowledgeable assistant. Users ask you to explain topics in \
 science, history, everyday life and how things work."
+    python bench/magpie_prompts.py --num 1000 --out dartree_ext/data/magpie_roleplay_smollm2.jsonl --seed 5 \
+        --source magpie-roleplay --system "You are a role-playing partner. Users ask you to play a character, answer \
+in a persona, or act out a scene."
+    python bench/magpie_prompts.py --num 1000 --out dartree_ext/data/magpie_extract_smollm2.jsonl --seed 6 \
+        --source magpie-extract --system "You are a data assistant. Users give you a short text and ask you to \
+extract, summarize, list or reformat the information in it."
+    python bench/magpie_prompts.py --num 1000 --out dartree_ext/data/magpie_reason_smollm2.jsonl --seed 7 \
+        --source magpie-reason --system "You are a careful thinker. Users ask you logic puzzles, riddles and \
+questions that need step-by-step reasoning."
 """
 from __future__ import annotations
 

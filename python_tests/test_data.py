@@ -82,16 +82,22 @@ def test_training_prompts(P):
     # sixth (under a writing / an explaining one)
     sixth = next((i for i, k in enumerate(kinds) if k in ("magpie-writing", "magpie-explain")), len(kinds))
     assert set(kinds[fifth:sixth]) <= {"magpie-code", "magpie-math"}
-    assert set(kinds[sixth:]) <= {"magpie-writing", "magpie-explain"}
+    seventh = next((i for i, k in enumerate(kinds) if k in ("magpie-roleplay", "magpie-extract", "magpie-reason")),
+                   len(kinds))
+    assert set(kinds[sixth:seventh]) <= {"magpie-writing", "magpie-explain"}
+    assert set(kinds[seventh:]) <= {"magpie-roleplay", "magpie-extract", "magpie-reason"}
     short = P.training_prompts(max_chars=1200)   # what dartree-train --prompts shipped reads
     first_short = min(i for i, p in enumerate(short) if p.source in ("stdlib-code", "math-word-problems"))
     assert first_short == 603 and [p.id for p in short[first_short:]] == [p.id for p in train[first_new:]]
     assert [p.source for p in short].index("stdlib-methods") == 1306
     assert [p.source for p in short].index("magpie") == 2751
     assert all(p.source in ("magpie-code", "magpie-math") for p in short[6751:9750])
-    assert all(p.source in ("magpie-writing", "magpie-explain") for p in short[9750:])
-    sixth_kinds = [p.source for p in short[9750:]]
+    assert all(p.source in ("magpie-writing", "magpie-explain") for p in short[9750:11750])
+    assert all(p.source in ("magpie-roleplay", "magpie-extract", "magpie-reason") for p in short[11750:])
+    sixth_kinds = [p.source for p in short[9750:11750]]
     assert sixth_kinds.count("magpie-writing") >= 1400 and sixth_kinds.count("magpie-explain") >= 450
+    seventh_kinds = [p.source for p in short[11750:]]
+    assert all(seventh_kinds.count(k) >= 900 for k in ("magpie-roleplay", "magpie-extract", "magpie-reason"))
     code = next(p for p in train if p.source == "stdlib-code")
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
     method = next(p for p in train if p.source == "stdlib-methods")

@@ -333,6 +333,13 @@ TRAINING_SOURCES = {
                       "(dartree_ext/data/magpie_writing_smollm2.jsonl)",
     "magpie-explain": "Magpie requests written under a system prompt for an assistant that explains science, "
                       "history and everyday topics (dartree_ext/data/magpie_explain_smollm2.jsonl)",
+    # the seventh part (after the sixth)
+    "magpie-roleplay": "Magpie requests written under a system prompt for a role-playing partner "
+                       "(dartree_ext/data/magpie_roleplay_smollm2.jsonl)",
+    "magpie-extract": "Magpie requests written under a system prompt for an assistant that extracts, summarizes "
+                      "and reformats a given text (dartree_ext/data/magpie_extract_smollm2.jsonl)",
+    "magpie-reason": "Magpie requests written under a system prompt for logic puzzles, riddles and step-by-step "
+                     "reasoning (dartree_ext/data/magpie_reason_smollm2.jsonl)",
 }
 
 
@@ -388,15 +395,19 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
     the code and math prompts added later (``stdlib-code``, ``math-word-problems``: 1306 in all),
     then a third part (``stdlib-methods``, ``math-word-problems-2``: 2751 in all), then the
     self-generated ``magpie`` requests (6751 in all), then the self-generated ``magpie-code`` and
-    ``magpie-math`` requests (9750 in all), then ``magpie-writing`` and ``magpie-explain``, so the
-    numbering of the earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
+    ``magpie-math`` requests (9750 in all), then ``magpie-writing`` and ``magpie-explain`` (11750 in
+    all), then ``magpie-roleplay``, ``magpie-extract`` and ``magpie-reason``, so the numbering of
+    the earlier parts never changes. ``max_chars`` drops longer (agent) prompts."""
     parts = [[_truthfulqa(), _hellaswag(), _ds4(), _agent(max_chars), _fastchat_chat()],
              [_stdlib_code(), _math_word_problems()],
              [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")],
              [_magpie()],
              [_magpie("magpie_code_smollm2.jsonl", "magpie-code"), _magpie("magpie_math_smollm2.jsonl", "magpie-math")],
              [_magpie("magpie_writing_smollm2.jsonl", "magpie-writing"),
-              _magpie("magpie_explain_smollm2.jsonl", "magpie-explain")]]
+              _magpie("magpie_explain_smollm2.jsonl", "magpie-explain")],
+             [_magpie("magpie_roleplay_smollm2.jsonl", "magpie-roleplay"),
+              _magpie("magpie_extract_smollm2.jsonl", "magpie-extract"),
+              _magpie("magpie_reason_smollm2.jsonl", "magpie-reason")]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()
