@@ -257,9 +257,11 @@ def _stdlib_methods() -> list[Prompt]:
     return out
 
 
-def _magpie(name: str = "magpie_smollm2.jsonl", source: str = "magpie") -> list[Prompt]:
-    """Self-generated requests shipped in ``dartree_ext/data/<name>`` (file order; none if the
-    file is absent)."""
+def _magpie(kind: str | None = None) -> list[Prompt]:
+    """Self-generated requests of source ``magpie-<kind>`` (``magpie`` without a kind) shipped in
+    ``dartree_ext/data/magpie_<kind>_smollm2.jsonl`` (``magpie_smollm2.jsonl``), in file order;
+    none if the file is absent."""
+    source, name = (f"magpie-{kind}", f"magpie_{kind}_smollm2.jsonl") if kind else ("magpie", "magpie_smollm2.jsonl")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     if not os.path.exists(path):
         return []
@@ -402,12 +404,9 @@ def training_prompts(n: int | None = None, max_chars: int = 8000, check: bool = 
              [_stdlib_code(), _math_word_problems()],
              [_stdlib_methods(), _math_word_problems(1200, seed=1, prefix="mathwp2")],
              [_magpie()],
-             [_magpie("magpie_code_smollm2.jsonl", "magpie-code"), _magpie("magpie_math_smollm2.jsonl", "magpie-math")],
-             [_magpie("magpie_writing_smollm2.jsonl", "magpie-writing"),
-              _magpie("magpie_explain_smollm2.jsonl", "magpie-explain")],
-             [_magpie("magpie_roleplay_smollm2.jsonl", "magpie-roleplay"),
-              _magpie("magpie_extract_smollm2.jsonl", "magpie-extract"),
-              _magpie("magpie_reason_smollm2.jsonl", "magpie-reason")]]
+             [_magpie("code"), _magpie("math")],
+             [_magpie("writing"), _magpie("explain")],
+             [_magpie("roleplay"), _magpie("extract"), _magpie("reason")]]
     evals = [p for ps in eval_prompts().values() for p in ps]
     eval_norm = {_norm(p.text) for p in evals}
     seen: set[str] = set()
