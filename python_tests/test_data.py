@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -102,6 +103,10 @@ def test_training_prompts(P):
     assert code.text.startswith("Complete the following Python function:\n```python\ndef ")
     method = next(p for p in train if p.source == "stdlib-methods")
     assert "```python\nclass " in method.text and "    def " in method.text
+    # no object addresses (they differ between processes), and the defaults that held one remain
+    stdlib = {p.id: p.text for p in train if p.source.startswith("stdlib")}
+    assert not [i for i, text in stdlib.items() if re.search(r"0x[0-9a-fA-F]{6,}", text)]
+    assert "default=<object object>)" in stdlib["stdlib-inspect.getattr_static"]
 
 
 def test_near_duplicate_detector(P):

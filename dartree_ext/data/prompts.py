@@ -210,7 +210,8 @@ def _stdlib_members(kind):
 
 def _stub(name: str, fn, indent: str) -> str | None:
     """``def name(sig):`` + the docstring, body left to write, at ``indent``; ``None`` unless the
-    docstring is 60-700 characters and the signature can be read."""
+    docstring is 60-700 characters and the signature can be read. Object addresses in the
+    signature's defaults are left out."""
     import inspect
     doc = inspect.getdoc(fn)
     if not doc or not 60 <= len(doc) <= 700:
@@ -219,6 +220,9 @@ def _stub(name: str, fn, indent: str) -> str | None:
         sig = str(inspect.signature(fn))
     except (TypeError, ValueError):
         return None
+    # A default's repr may hold its address (``<object object at 0x7f...>``), which differs from
+    # process to process: drop it, so that a prompt's text is the same in every run.
+    sig = re.sub(r" at 0x[0-9a-fA-F]+", "", sig)
     inner = indent + "    "
     body = "\n".join((inner + line) if line else "" for line in doc.splitlines())
     return f'{indent}def {name}{sig}:\n{inner}"""\n{body}\n{inner}"""\n'
