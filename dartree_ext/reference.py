@@ -382,7 +382,7 @@ def vat_block_weights(accept: torch.Tensor, valid: torch.Tensor, schedule: str =
         "prefix_only": torch.where(before, ones, zeros),
         "hard_cutoff": torch.where(position <= k_star, ones, zeros),
         "unshifted": torch.where(before, ones, decay_plain),
-    }[schedule]
+    }["vat" if schedule == "vat_soft" else schedule]
     return first.to(torch.int32), torch.where(valid, weights, zeros).to(torch.float32)
 
 
@@ -431,7 +431,8 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
         accept = u[..., 1] * q_x < p_x
     accept = accept.to(torch.float32)
     first_reject, weights = vat_block_weights(accept, valid, schedule, decay_gamma)
-    per_position = weights.to(stat) * (ce_hard if schedule == "dflash" else ce_soft + ce_hard)
+    terms = {"dflash": ce_hard, "vat_soft": ce_soft}.get(schedule, ce_soft + ce_hard)
+    per_position = weights.to(stat) * terms
     ce_loss = torch.where(valid, per_position, 0.0).sum() / valid.any(1).sum().clamp(min=1)
     if vh_logits is None:
         vh_loss = torch.zeros((), dtype=stat, device=valid.device)

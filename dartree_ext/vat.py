@@ -18,10 +18,13 @@ Math (per block ``m`` of ``K`` draft positions, ``k = 1..K`` 1-based, only *vali
   - ``"prefix_only"``: ``1`` for ``k < k*``, ``0`` after;
   - ``"hard_cutoff"``: ``1`` for ``k <= k*`` (the first rejected position included), ``0`` after;
   - ``"unshifted"``: ``1`` for ``k < k*``, ``exp(-(k - 1) / gamma)`` for ``k >= k*``;
+  - ``"vat_soft"``: ``"vat"``'s weights and *soft CE only* (the EAGLE-3 loss's soft labels with VAT's
+    weights);
 
   and ``w_k = 0`` at invalid positions;
 * ``ce_loss = sum_m sum_k w_k (CE(p_k, q_k) + CE(y_k, q_k)) / #blocks with a valid position``
-  (``CE(p, q) = -sum_i p_i log q_i``, ``CE(y, q) = -log q_y``; ``dflash`` drops the soft term);
+  (``CE(p, q) = -sum_i p_i log q_i``, ``CE(y, q) = -log q_y``; ``dflash`` drops the soft term,
+  ``vat_soft`` the hard one);
 * ``vh_loss = mean over valid positions of BCE-with-logits(vh_logits, v)`` (0 when ``vh_logits`` is None);
 * ``loss = ce_loss + vh_weight * vh_loss``.
 
@@ -36,7 +39,8 @@ all of ``V`` is the token ``argmax q`` stands for (so a position whose target ar
 
 Labels (``k*``, ``v``, the weights, ``p``) carry no gradient; gradients flow to the draft logits (or the
 draft hidden states and head weight in :func:`vat_loss_linear`) and to ``vh_logits``. The target side is
-treated as a constant. ``d ce_loss / d draft_logits[m, k] = w_k (2 q_k - p_k - onehot(y_k)) / #blocks``.
+treated as a constant. ``d ce_loss / d draft_logits[m, k] = w_k (2 q_k - p_k - onehot(y_k)) / #blocks``
+(``w_k (q_k - onehot(y_k))`` for ``dflash``, ``w_k (q_k - p_k)`` for ``vat_soft``, over ``#blocks``).
 
 Precision: float32 / bfloat16 / float16 logits are read as they are and reduced in float32 (the
 losses are float32); float64 logits are reduced in float64 (losses float64; for gradcheck).
@@ -54,9 +58,16 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted")
+SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted", "vat_soft")
 RULES = ("greedy", "sample")
 _DFLASH = SCHEDULES.index("dflash")
+_SOFT_ONLY = SCHEDULES.index("vat_soft")
+# the schedule number the vat_block_weights kernels take: vat_soft weighs as vat does
+_KERNEL_SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted")
+
+
+def _kernel_schedule(schedule: str) -> int:
+    return _KERNEL_SCHEDULES.index("vat" if schedule == "vat_soft" else schedule)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _ops = torch.ops.dartree_ext
@@ -319,9 +330,11 @@ def _vh_loss(vh_logits: Optional[torch.Tensor], first_reject: torch.Tensor, vali
 
 
 def _ce_terms(ce_soft, ce_hard, weights, valid, schedule_id: int):
-    """sum of w_k (CE_soft + CE_hard) per position (0 where invalid), differentiable in ce_soft / ce_hard."""
+    """w_k (CE_soft + CE_hard) per position (CE_hard only for dflash, CE_soft only for vat_soft; 0 where
+    invalid), differentiable in ce_soft / ce_hard."""
     w = weights.to(ce_hard.dtype)
-    per_position = w * ce_hard if schedule_id == _DFLASH else w * (ce_soft + ce_hard)
+    terms = {_DFLASH: ce_hard, _SOFT_ONLY: ce_soft}.get(schedule_id, None)
+    per_position = w * (ce_soft + ce_hard if terms is None else terms)
     return torch.where(valid, per_position, 0.0)
 
 
@@ -417,7 +430,8 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
         accept = accept * top_in if uniforms is None else accept
     stat = ce_hard.dtype
     valid = valid.contiguous()
-    first_reject, weights = kernels.block_weights(accept.view(m, k), valid, schedule_id, float(decay_gamma))
+    first_reject, weights = kernels.block_weights(accept.view(m, k), valid, _kernel_schedule(schedule),
+                                                  float(decay_gamma))
     terms = _ce_terms(ce_soft.view(m, k), ce_hard.view(m, k), weights, valid, schedule_id)
     ce_loss = terms.sum() / _num_blocks(valid, stat)
     vh_loss = _vh_loss(vh_logits, first_reject, valid, stat)
@@ -484,7 +498,7 @@ class _LinearVATCE(torch.autograd.Function):
                 ce_hard = torch.where(has_label, ce_hard, 0.0)
                 acc = acc * top_in if u is None else acc
             ok = valid[b0:b1]
-            fr, w = kernels.block_weights(acc.view(-1, k), ok, schedule_id, decay_gamma)
+            fr, w = kernels.block_weights(acc.view(-1, k), ok, _kernel_schedule(SCHEDULES[schedule_id]), decay_gamma)
             first_reject[b0:b1], accept[b0:b1], weights[b0:b1] = fr, acc.view(-1, k), w
             total += _ce_terms(ce_soft.view(-1, k), ce_hard.view(-1, k), w, ok, schedule_id).sum()
             if not (need_hidden or need_weight):  # no gradient wanted: the loss only
@@ -492,6 +506,7 @@ class _LinearVATCE(torch.autograd.Function):
             coef = torch.where(ok, w.to(stat), 0.0).reshape(-1) / num_blocks
             g_soft = torch.zeros_like(coef) if schedule_id == _DFLASH else coef
             g_hard = coef if reduce is None else torch.where(has_label, coef, 0.0)
+            g_hard = torch.zeros_like(coef) if schedule_id == _SOFT_ONLY else g_hard
             grad_logits = kernels.row_backward((g_soft + g_hard).contiguous(), g_soft.contiguous(), g_hard.contiguous(),
                                                draft_logits, target_logits, tok, lse_d, lse_t)
             del draft_logits, target_logits

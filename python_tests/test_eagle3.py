@@ -280,7 +280,7 @@ def test_vat_weights_reanchor_the_eagle3_schedule_at_the_first_rejection():
     torch.testing.assert_close(out.weights, torch.tensor(expected), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["eagle3", "vat"])
+@pytest.mark.parametrize("loss", ["eagle3", "vat", "vat_soft"])
 def test_objective_weights_per_block(setup, loss):
     """The objective's blocks: step k of a root r is the prediction of x[r + k]; weights are
     EAGLE-3's (eagle3) or re-anchored at each block's k* (vat), zero at invalid positions."""

@@ -154,7 +154,7 @@ def test_training_over_a_draft_vocabulary(tmp_path):
 
 
 def test_all_schedules_train(tmp_path):
-    for loss in ("dflash", "prefix_only", "hard_cutoff", "unshifted"):
+    for loss in ("dflash", "prefix_only", "hard_cutoff", "unshifted", "vat_soft"):
         rec = make_trainer(tmp_path / loss, steps=1, loss=loss).train()[-1]
         assert rec["loss"] == rec["loss"] and rec["loss"] > 0
 

@@ -181,7 +181,9 @@ def test_hand_built_blocks(backend):
         "prefix_only": lambda s: (position < s).double(),
         "hard_cutoff": lambda s: (position <= s).double(),
         "unshifted": lambda s: torch.where(position < s, 1.0, torch.exp(-(position - 1) / gamma)),
+        "vat_soft": lambda s: torch.where(position < s, 1.0, torch.exp(-(position - s) / gamma)),
     }
+    assert set(expected_weights) == set(vat.SCHEDULES)
     log_q = torch.log_softmax(draft.double(), -1)
     p = torch.softmax(target.double(), -1)
     ce_soft = -(p * log_q).sum(-1)
@@ -193,7 +195,7 @@ def test_hand_built_blocks(backend):
         assert torch.equal(out.accept.cpu(), torch.where(valid, pattern.float(), 0.0))
         weights = torch.stack([rule(float(s)) for s in expected_first]) * valid
         torch.testing.assert_close(out.weights.cpu().double(), weights, rtol=1e-6, atol=1e-7)
-        terms = ce_hard if schedule == "dflash" else ce_soft + ce_hard
+        terms = {"dflash": ce_hard, "vat_soft": ce_soft}.get(schedule, ce_soft + ce_hard)
         expected_ce = float((weights * terms).sum() / 4)
         assert math.isclose(float(out.ce_loss), expected_ce, rel_tol=1e-5)
         assert float(out.vh_loss) == 0.0 and math.isclose(float(out.loss), expected_ce, rel_tol=1e-5)
@@ -319,7 +321,8 @@ def _linear_inputs(m, k, vocab, hd, ht, dtype, seed):
 
 
 @pytest.mark.parametrize("chunk_size", [None, 4, 9, 1000])
-@pytest.mark.parametrize("rule, schedule", [("greedy", "vat"), ("sample", "dflash"), ("greedy", "unshifted")])
+@pytest.mark.parametrize("rule, schedule", [("greedy", "vat"), ("sample", "dflash"), ("greedy", "unshifted"),
+                                            ("sample", "vat_soft")])
 def test_linear_equals_materialized(backend, chunk_size, rule, schedule):
     h_d, w_d, h_t, w_t, tokens, vh, valid = backend.put(*_linear_inputs(5, 4, 150, 12, 10, torch.float64, seed=4))
     options = dict(rule=rule, schedule=schedule, temperature=0.9)
@@ -357,7 +360,7 @@ def _draft_vocab_inputs(m, k, vocab, sub, seed, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("rule, schedule", [("greedy", "vat"), ("sample", "vat"), ("greedy", "dflash"),
-                                            ("sample", "hard_cutoff")])
+                                            ("sample", "hard_cutoff"), ("greedy", "vat_soft")])
 def test_draft_vocab_matches_reference(backend, rule, schedule):
     """Over a draft vocabulary (V' = 40 of 300 ids): values, acceptance and gradients equal the
     reference written from the definition; labels outside V' add no hard term; a target argmax
@@ -424,14 +427,16 @@ def test_draft_vocab_linear_equals_materialized(backend):
                            torch.randn(30, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
     tokens = torch.where(torch.arange(tokens.numel(), device=tokens.device).view_as(tokens) % 2 == 0,
                          ids[tokens % 30], tokens)             # half the labels in V'
-    for rule in ("greedy", "sample"):
+    for rule, schedule in (("greedy", "vat"), ("sample", "vat"), ("greedy", "vat_soft")):
         leaves = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
         out = api(backend).vat_loss_linear(leaves[0], leaves[1], h_t, w_t, tokens, leaves[2], valid, rule=rule,
-                                           generator=torch.Generator().manual_seed(3), chunk_size=4, draft_vocab=ids)
+                                           generator=torch.Generator().manual_seed(3), chunk_size=4, draft_vocab=ids,
+                                           schedule=schedule)
         out.loss.backward()
         mats = [t.clone().requires_grad_(True) for t in (h_d, w_d, vh)]
         expected = api(backend).vat_loss(mats[0] @ mats[1].t(), h_t @ w_t.t(), tokens, mats[2], valid, rule=rule,
-                                         generator=torch.Generator().manual_seed(3), draft_vocab=ids)
+                                         generator=torch.Generator().manual_seed(3), draft_vocab=ids,
+                                         schedule=schedule)
         expected.loss.backward()
         torch.testing.assert_close(out.loss, expected.loss, rtol=1e-10, atol=1e-12)
         assert torch.equal(out.accept, expected.accept)

@@ -13,8 +13,8 @@ every step at every index and gives the same rows). Losses:
 * ``vat`` (and the other schedules of :data:`dartree_ext.vat.SCHEDULES`): :func:`dartree_ext.vat.vat_loss`
   over each block, i.e. simulated verification labels, weights ``1`` before the first rejection
   ``k*`` and ``w_{k - k* + 1}`` after it (base schedule ``w_k = exp(-(k - 1) / decay_gamma)``;
-  ``0.8^(k-1)`` at :data:`~dartree_ext.models.eagle3.EAGLE3_DECAY_GAMMA`), soft + hard CE and
-  the verification head's BCE.
+  ``0.8^(k-1)`` at :data:`~dartree_ext.models.eagle3.EAGLE3_DECAY_GAMMA`), soft + hard CE (soft
+  only with ``vat_soft``: EAGLE-3's labels with VAT's weights) and the verification head's BCE.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ features and its logits; the drafter drafts a block at every anchor (context = t
 before the anchor); the loss is VAT on the drafter's base logits (with the verification head)
 plus VAT on the correction head's teacher-forced corrected logits (``head_weight``). ``--loss``
 picks the schedule (``vat`` or a baseline: ``dflash``, ``prefix_only``, ``hard_cutoff``,
-``unshifted``). An EAGLE-3 drafter trains by the training-time test instead
+``unshifted``, ``vat_soft``). An EAGLE-3 drafter trains by the training-time test instead
 (:mod:`dartree_ext.training.eagle`, ``--loss eagle3`` or a VAT schedule). AdamW, linear
 warm-up + cosine decay, gradient clipping, bf16 autocast (optional on CPU), checkpoints with
 resume, tqdm progress and a JSON-lines log (loss, mean k*, estimated acceptance).
@@ -42,7 +42,7 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    loss: str = "vat"                   # vat | dflash | prefix_only | hard_cutoff | unshifted | eagle3 (EAGLE-3 drafters)
+    loss: str = "vat"                   # vat | dflash | prefix_only | hard_cutoff | unshifted | vat_soft | eagle3 (EAGLE-3 drafters)
     rule: str = "greedy"
     decay_gamma: float = 7.0
     vh_weight: float = 1.0
