@@ -62,15 +62,15 @@ SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted", "vat_so
 RULES = ("greedy", "sample")
 _DFLASH = SCHEDULES.index("dflash")
 _SOFT_ONLY = SCHEDULES.index("vat_soft")
-# the schedule number the vat_block_weights kernels take: vat_soft weighs as vat does
+# the schedule numbers the vat_block_weights kernels take (vat_soft weighs as vat does)
 _KERNEL_SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_ops = torch.ops.dartree_ext
 
 
 def _kernel_schedule(schedule: str) -> int:
     return _KERNEL_SCHEDULES.index("vat" if schedule == "vat_soft" else schedule)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-_ops = torch.ops.dartree_ext
 
 
 class VATLossOutput(NamedTuple):
