@@ -468,7 +468,6 @@ class _LinearVATCE(torch.autograd.Function):
     def forward(ctx, kernels, draft_hidden, draft_weight, target_hidden, target_weight, tokens, valid, uniforms,
                 temperature, schedule_id, decay_gamma, chunk_blocks, reduce):
         m, k, hd = draft_hidden.shape
-        vocab = draft_weight.shape[0]
         rows = m * k
         h_draft = draft_hidden.detach().reshape(rows, hd)
         h_target = target_hidden.detach().reshape(rows, target_hidden.shape[-1])
