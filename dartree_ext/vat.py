@@ -60,10 +60,10 @@ import torch.nn.functional as F
 
 SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted", "vat_soft")
 RULES = ("greedy", "sample")
-_DFLASH = SCHEDULES.index("dflash")
-_SOFT_ONLY = SCHEDULES.index("vat_soft")
 # the schedule numbers the vat_block_weights kernels take (vat_soft weighs as vat does)
 _KERNEL_SCHEDULES = ("vat", "dflash", "prefix_only", "hard_cutoff", "unshifted")
+# the cross-entropy terms (soft, hard) a schedule trains; every other schedule trains both
+_CE_TERMS = {"dflash": (False, True), "vat_soft": (True, False)}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _ops = torch.ops.dartree_ext
@@ -329,12 +329,12 @@ def _vh_loss(vh_logits: Optional[torch.Tensor], first_reject: torch.Tensor, vali
     return bce.sum() / valid.sum().clamp(min=1).to(stat)
 
 
-def _ce_terms(ce_soft, ce_hard, weights, valid, schedule_id: int):
-    """w_k (CE_soft + CE_hard) per position (CE_hard only for dflash, CE_soft only for vat_soft; 0 where
-    invalid), differentiable in ce_soft / ce_hard."""
+def _ce_terms(ce_soft, ce_hard, weights, valid, schedule: str):
+    """w_k (CE_soft + CE_hard) per position (only the terms of :data:`_CE_TERMS`; 0 where invalid),
+    differentiable in ce_soft / ce_hard."""
     w = weights.to(ce_hard.dtype)
-    terms = {_DFLASH: ce_hard, _SOFT_ONLY: ce_soft}.get(schedule_id, None)
-    per_position = w * (ce_soft + ce_hard if terms is None else terms)
+    soft, hard = _CE_TERMS.get(schedule, (True, True))
+    per_position = w * sum(term for term, on in ((ce_soft, soft), (ce_hard, hard)) if on)
     return torch.where(valid, per_position, 0.0)
 
 
@@ -416,7 +416,6 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
     m, k, vocab = target_logits.shape
     _check_block_inputs(op, m, k, draft_logits.device, target_tokens, vh_logits, valid)
     reduce = _draft_vocab(op, draft_vocab, vocab, draft_logits.device)
-    schedule_id = SCHEDULES.index(schedule)
     rows = m * k
     uniforms = draw_uniforms(rule, rows, draft_logits.device, generator)
     target = target_logits.detach().reshape(rows, vocab).contiguous()
@@ -432,7 +431,7 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
     valid = valid.contiguous()
     first_reject, weights = kernels.block_weights(accept.view(m, k), valid, _kernel_schedule(schedule),
                                                   float(decay_gamma))
-    terms = _ce_terms(ce_soft.view(m, k), ce_hard.view(m, k), weights, valid, schedule_id)
+    terms = _ce_terms(ce_soft.view(m, k), ce_hard.view(m, k), weights, valid, schedule)
     ce_loss = terms.sum() / _num_blocks(valid, stat)
     vh_loss = _vh_loss(vh_logits, first_reject, valid, stat)
 
@@ -466,7 +465,7 @@ class _LinearVATCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kernels, draft_hidden, draft_weight, target_hidden, target_weight, tokens, valid, uniforms,
-                temperature, schedule_id, decay_gamma, chunk_blocks, reduce):
+                temperature, schedule, decay_gamma, chunk_blocks, reduce):
         m, k, hd = draft_hidden.shape
         rows = m * k
         h_draft = draft_hidden.detach().reshape(rows, hd)
@@ -474,6 +473,7 @@ class _LinearVATCE(torch.autograd.Function):
         w_draft, w_target = draft_weight.detach(), target_weight.detach()
         stat = _stat_dtype(draft_hidden.dtype)
         num_blocks = _num_blocks(valid, stat)
+        kernel_schedule, (soft, hard) = _kernel_schedule(schedule), _CE_TERMS.get(schedule, (True, True))
         need_hidden, need_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(h_draft) if need_hidden else None
         grad_weight = (torch.zeros(w_draft.shape, dtype=torch.float32 if stat == torch.float32 else stat,
@@ -497,15 +497,14 @@ class _LinearVATCE(torch.autograd.Function):
                 ce_hard = torch.where(has_label, ce_hard, 0.0)
                 acc = acc * top_in if u is None else acc
             ok = valid[b0:b1]
-            fr, w = kernels.block_weights(acc.view(-1, k), ok, _kernel_schedule(SCHEDULES[schedule_id]), decay_gamma)
+            fr, w = kernels.block_weights(acc.view(-1, k), ok, kernel_schedule, decay_gamma)
             first_reject[b0:b1], accept[b0:b1], weights[b0:b1] = fr, acc.view(-1, k), w
-            total += _ce_terms(ce_soft.view(-1, k), ce_hard.view(-1, k), w, ok, schedule_id).sum()
+            total += _ce_terms(ce_soft.view(-1, k), ce_hard.view(-1, k), w, ok, schedule).sum()
             if not (need_hidden or need_weight):  # no gradient wanted: the loss only
                 continue
             coef = torch.where(ok, w.to(stat), 0.0).reshape(-1) / num_blocks
-            g_soft = torch.zeros_like(coef) if schedule_id == _DFLASH else coef
-            g_hard = coef if reduce is None else torch.where(has_label, coef, 0.0)
-            g_hard = torch.zeros_like(coef) if schedule_id == _SOFT_ONLY else g_hard
+            g_soft = coef if soft else torch.zeros_like(coef)
+            g_hard = (coef if reduce is None else torch.where(has_label, coef, 0.0)) if hard else torch.zeros_like(coef)
             grad_logits = kernels.row_backward((g_soft + g_hard).contiguous(), g_soft.contiguous(), g_hard.contiguous(),
                                                draft_logits, target_logits, tok, lse_d, lse_t)
             del draft_logits, target_logits
@@ -610,13 +609,12 @@ def _vat_loss_linear(kernels: Any, draft_hidden, draft_weight, target_hidden, ta
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
     chunk_blocks = (default_chunk_blocks(m, k, vocab, hd) if chunk_size is None
                     else max(1, min(m, int(chunk_size) // k)))
-    schedule_id = SCHEDULES.index(schedule)
     uniforms = draw_uniforms(rule, m * k, draft_hidden.device, generator)
     valid = valid.contiguous()
     ce_loss, first_reject, accept, weights = _LinearVATCE.apply(
         kernels, draft_hidden.contiguous(), draft_weight.contiguous(), target_hidden.contiguous(),
         target_weight.contiguous(), target_tokens.reshape(m * k).contiguous(), valid, uniforms, float(temperature),
-        schedule_id, float(decay_gamma), chunk_blocks, reduce)
+        schedule, float(decay_gamma), chunk_blocks, reduce)
     vh_loss = _vh_loss(vh_logits, first_reject, valid, ce_loss.dtype)
 
     def diagnose() -> str:
