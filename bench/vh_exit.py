@@ -13,6 +13,10 @@ With threshold ``p``, ``eagle3_vh`` stops before the first step whose head proba
 * the drafter steps run, ``mean min(a_p + 1, K)`` (``K`` without an exit; the oracle exit at the
   true first rejection runs ``min(a + 1, K)`` and loses nothing).
 
+Per drafter also the top-``W`` hits per step (``--width``, default 4: the target's token among the
+drafter's ``W`` best) and the teacher-forced tree tau, ``1 +`` the leading top-``W`` hits: what a tree
+of ``W`` children a node accepts along the true path when its budget does not cut it.
+
     python bench/vh_exit.py --drafter vat=runs/e3s/vat/drafter,eagle3=runs/e3s/eagle3/drafter --num 10 \\
         --json bench/results/vh_exit_smollm2.json --plot docs/figures/vh_exit.png
 """
@@ -35,9 +39,10 @@ THRESHOLDS = [round(0.05 * i, 2) for i in range(1, 20)]
 
 
 @torch.no_grad()
-def chain_rounds(drafter: Eagle3Drafter, ids: torch.Tensor, hidden_states, start: int):
-    """Per anchor ``r = start .. L - 1 - K`` of ``ids [1, L]``: top-1 hits ``bool[n, K]`` and head
-    probabilities ``float[n, K]`` of the drafter unrolled ``K`` steps from ``r``."""
+def chain_rounds(drafter: Eagle3Drafter, ids: torch.Tensor, hidden_states, start: int, width: int = 4):
+    """Per anchor ``r = start .. L - 1 - K`` of ``ids [1, L]``: top-1 hits ``bool[n, K]``, head
+    probabilities ``float[n, K]`` and top-``width`` hits ``bool[n, K]`` of the drafter unrolled ``K``
+    steps from ``r``."""
     k = drafter.config.num_steps
     length = ids.shape[1]
     anchors = torch.arange(start, length - k, device=ids.device)
@@ -48,15 +53,17 @@ def chain_rounds(drafter: Eagle3Drafter, ids: torch.Tensor, hidden_states, start
     pred = drafter.vocab_ids(logits.argmax(-1))                                    # [n, K]
     labels = ids[0, anchors[:, None] + torch.arange(1, k + 1, device=ids.device)]   # step k predicts x[r + k]
     prob = torch.sigmoid(drafter.verification_head(normed).float())
-    return pred == labels, prob
+    top = drafter.vocab_ids(logits.topk(width, -1).indices)                        # [n, K, W]
+    return pred == labels, prob, (top == labels[..., None]).any(-1)
 
 
-def summarize(hits: torch.Tensor, prob: torch.Tensor) -> dict:
-    """The figures of the module docstring from every anchor's hits and head probabilities."""
+def summarize(hits: torch.Tensor, prob: torch.Tensor, wide: torch.Tensor) -> dict:
+    """The figures of the module docstring from every anchor's hits, head probabilities and top-W hits."""
     k = hits.shape[1]
     accepted = hits.long().cumprod(1).sum(1).float()                               # a
     row = {"anchors": int(hits.shape[0]), "top1": hits.float().mean(0).tolist(),
            "chain_tau": 1 + accepted.mean().item(), "oracle_steps": (accepted + 1).clamp(max=k).mean().item(),
+           "topw": wide.float().mean(0).tolist(), "tree_tau": 1 + wide.long().cumprod(1).sum(1).float().mean().item(),
            "thresholds": {}}
     for p in THRESHOLDS:
         below = prob < p
@@ -101,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--sets", default="gsm8k,humaneval,mtbench", help="as bench/e2e.py --sets")
     p.add_argument("--num", type=int, default=10, help="responses per evaluation set")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--width", type=int, default=4, help="W of the top-W hits and the teacher-forced tree tau")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="a PNG of both panels (needs matplotlib)")
     p.add_argument("--from-json", default=None, metavar="FILE",
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 states = base(input_ids=seq, output_hidden_states=True).hidden_states
             for label, d in drafters:
-                got = chain_rounds(d, seq, states, len(ids))
+                got = chain_rounds(d, seq, states, len(ids), args.width)
                 if got is not None:
                     per.setdefault((label, name), []).append(got)
             print(f"{name} {i}: {n} tokens", flush=True)
@@ -149,22 +157,24 @@ def main(argv=None) -> int:
         for name in sets:
             got = per.get((label, name), [])
             if got:
-                rows[name] = summarize(torch.cat([h for h, _ in got]), torch.cat([q for _, q in got]))
+                rows[name] = summarize(*(torch.cat(parts) for parts in zip(*got)))
         every = [g for (lab, _), gs in per.items() if lab == label for g in gs]
         if not every:
             raise SystemExit(f"no response is longer than {drafters[0][1].config.num_steps} tokens: nothing to score")
-        rows["all"] = summarize(torch.cat([h for h, _ in every]), torch.cat([q for _, q in every]))
+        rows["all"] = summarize(*(torch.cat(parts) for parts in zip(*every)))
         results[label] = rows
-        print(f"\n{label}: anchors / top-1 at steps 1-3 / teacher-forced chain tau / oracle steps per round")
+        print(f"\n{label}: anchors / top-1 at steps 1-3 / teacher-forced chain tau / oracle steps per round / "
+              f"top-{args.width} at steps 1-3 / teacher-forced tree tau")
         for name, row in rows.items():
             print(f"  {name:10s} {row['anchors']:5d}  " + " ".join(f"{a:.3f}" for a in row["top1"][:3])
-                  + f"  {row['chain_tau']:.3f}  {row['oracle_steps']:.2f}")
+                  + f"  {row['chain_tau']:.3f}  {row['oracle_steps']:.2f}  "
+                  + " ".join(f"{a:.3f}" for a in row["topw"][:3]) + f"  {row['tree_tau']:.3f}")
         print("  p      MAE   lost  steps (all sets)")
         for thr, v in rows["all"]["thresholds"].items():
             print(f"  {float(thr):.2f}  {v['mae']:.3f}  {v['lost']:.3f}  {v['steps']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": args.target, "num": args.num, "max_new_tokens": args.max_new_tokens,
+            json.dump({"target": args.target, "num": args.num, "max_new_tokens": args.max_new_tokens, "width": args.width,
                        "drafters": dict(parse_drafters(args.drafter)), "results": results}, f, indent=1)
     if args.plot:
         plot({label: rows["all"] for label, rows in results.items()}, args.plot)

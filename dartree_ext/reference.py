@@ -389,9 +389,10 @@ def vat_block_weights(accept: torch.Tensor, valid: torch.Tensor, schedule: str =
 def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
              vh_logits, valid: torch.Tensor, *, rule: str = "greedy", temperature: float = 1.0,
              schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0, generator=None,
-             draft_vocab=None):
+             draft_vocab=None, accept_width: int = 1):
     """The VAT loss with materialized softmaxes, autograd through PyTorch (same signature, same
-    uniforms from ``generator``, same outputs as :func:`dartree_ext.vat.vat_loss`). With
+    uniforms from ``generator``, same outputs as :func:`dartree_ext.vat.vat_loss`; ``accept_width``
+    ranks the draft columns by a stable descending sort). With
     ``draft_vocab`` (target ids of the draft logits' columns) it is written from the definition:
     ``q`` over those ids, ``p`` renormalized over them as the soft target, no hard term where the
     label is not one of them, and acceptance judged against the target over its whole vocabulary."""
@@ -416,8 +417,9 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
     else:                     # no hard term where the label is not a draft token
         match = target_tokens[..., None] == ids
         ce_hard = torch.where(match.any(-1), -(log_q * match).sum(-1), 0.0)
-    if rule == "greedy":
-        accept = ids[d.argmax(-1)] == t.argmax(-1)               # the drafted token is the target's argmax
+    if rule == "greedy":   # the target's argmax is the drafted token (one of the accept_width drafted tokens)
+        drafted = ids[d.argsort(dim=-1, descending=True, stable=True)[..., :accept_width]]
+        accept = (drafted == t.argmax(-1, keepdim=True)).any(-1)
     else:
         u = draw_uniforms(rule, m * k, draft_logits.device, generator).view(m, k, 2).double()
         dq, tp = d.detach().double() / temperature, t.double() / temperature

@@ -8,7 +8,9 @@ Math (per block ``m`` of ``K`` draft positions, ``k = 1..K`` 1-based, only *vali
   ``rule="sample"``: ``x ~ softmax(draft / T)`` by inverse CDF with one uniform ``u1`` (the first
   vocabulary index whose inclusive CDF exceeds ``u1``), accepted iff ``u2 * q_T(x) < p_T(x)``, i.e. with
   probability ``min(1, p_T(x) / q_T(x))``, where ``p_T = softmax(target / T)``; the uniforms are drawn in
-  Python (``generator``), so the kernels are deterministic;
+  Python (``generator``), so the kernels are deterministic; :func:`vat_loss`'s ``accept_width = W > 1``
+  (greedy only) simulates a tree of W children a node instead of a chain: accepted iff ``argmax p_k``
+  is among the W largest entries of ``q_k``;
 * ``k*`` = first valid position with ``m_k = 0`` (``K + 1`` if none): invalid positions never reject;
   ``v_k = 1`` iff ``k < k*`` (the verification head's label, ``prod_{j<=k} m_j`` over valid positions);
 * weights ``w_k`` by ``schedule`` (``gamma = decay_gamma``):
@@ -259,6 +261,20 @@ def _check_logits(op: str, draft_logits: torch.Tensor, target_logits: torch.Tens
         raise ValueError(f"{op}: the vocabulary is empty (V = 0)")
 
 
+def _check_accept_width(op: str, accept_width: int, rule: str, vocab: int) -> None:
+    if isinstance(accept_width, bool) or not isinstance(accept_width, int) or not 1 <= accept_width <= vocab:
+        raise ValueError(f"{op}: accept_width must be an int in [1, {vocab}] (the draft vocabulary), got "
+                         f"{accept_width!r}")
+    if accept_width > 1 and rule != "greedy":
+        raise ValueError(f"{op}: accept_width > 1 (tree acceptance) needs rule='greedy', got rule={rule!r}")
+
+
+def _accept_in_top(draft: torch.Tensor, target: torch.Tensor, width: int) -> torch.Tensor:
+    """bool[R]: row r's target argmax (over ``target``'s columns, the drafter's vocabulary) is among
+    ``draft[r]``'s ``width`` largest entries."""
+    return (draft.topk(width, -1).indices == target.argmax(-1, keepdim=True)).any(-1)
+
+
 def draw_uniforms(rule: str, rows: int, device: torch.device,
                   generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """The sampling rule's uniforms, float32 [rows, 2] (``[:, 0]`` picks the draft token, ``[:, 1]``
@@ -378,7 +394,7 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
              vh_logits: Optional[torch.Tensor], valid: torch.Tensor, *, rule: str = "greedy",
              temperature: float = 1.0, schedule: str = "vat", decay_gamma: float = 7.0, vh_weight: float = 1.0,
              generator: Optional[torch.Generator] = None, check_finite: bool = True,
-             draft_vocab: Optional[torch.Tensor] = None) -> VATLossOutput:
+             draft_vocab: Optional[torch.Tensor] = None, accept_width: int = 1) -> VATLossOutput:
     """The VAT loss of a batch of draft blocks from materialized logits (see the module docstring).
 
     Args:
@@ -399,20 +415,27 @@ def vat_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tok
             synchronization (a NaN loss for bad input, 0 for a batch without a valid position).
         draft_vocab: ``int64[V']``, distinct target ids: ``draft_logits`` is ``[M, K, V']`` over them
             (the module docstring says what the loss is then); None: one vocabulary.
+        accept_width: the greedy rule's acceptance for a tree of this many children a node: a
+            position is accepted iff the target's argmax is among the drafter's ``accept_width``
+            largest logits (``torch.topk``'s order among ties). 1 (the default): the chain's
+            ``argmax q == argmax p``. Only with ``rule="greedy"``.
 
     Non-contiguous logits are copied. Memory beyond the inputs: O(M K) statistics, plus the
     gradient ``[M, K, V]`` in backward; no ``[M, K, V]`` intermediate is saved.
     """
     return _vat_loss(_RegisteredOps, draft_logits, target_logits, target_tokens, vh_logits, valid, rule=rule,
                      temperature=temperature, schedule=schedule, decay_gamma=decay_gamma, vh_weight=vh_weight,
-                     generator=generator, check_finite=check_finite, draft_vocab=draft_vocab)
+                     generator=generator, check_finite=check_finite, draft_vocab=draft_vocab,
+                     accept_width=accept_width)
 
 
 def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logits, valid, *, rule, temperature,
-              schedule, decay_gamma, vh_weight, generator, check_finite, draft_vocab=None) -> VATLossOutput:
+              schedule, decay_gamma, vh_weight, generator, check_finite, draft_vocab=None,
+              accept_width: int = 1) -> VATLossOutput:
     op = "vat_loss"
     _check_options(op, rule, temperature, schedule, decay_gamma, vh_weight)
     _check_logits(op, draft_logits, target_logits, draft_vocab)
+    _check_accept_width(op, accept_width, rule, draft_logits.shape[-1])
     m, k, vocab = target_logits.shape
     _check_block_inputs(op, m, k, draft_logits.device, target_tokens, vh_logits, valid)
     reduce = _draft_vocab(op, draft_vocab, vocab, draft_logits.device)
@@ -424,6 +447,8 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
         target, tokens, has_label, top_in, uniforms = reduce.reduce(target, tokens, uniforms, float(temperature))
     ce_soft, ce_hard, accept, _, _ = kernels.row_forward_differentiable(
         draft_logits.reshape(rows, draft_logits.shape[-1]).contiguous(), target, tokens, uniforms, float(temperature))
+    if accept_width > 1:  # the target's argmax among the drafter's top accept_width (and in V')
+        accept = _accept_in_top(draft_logits.detach().reshape(rows, -1), target, accept_width).to(accept.dtype)
     if reduce is not None:
         ce_hard = torch.where(has_label, ce_hard, 0.0)  # no hard label outside the draft vocabulary
         accept = accept * top_in if uniforms is None else accept

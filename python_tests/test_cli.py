@@ -112,7 +112,9 @@ def test_vh_exit_bench_scores_hand_built_rounds(tmp_path):
     vh_exit = _bench("vh_exit")
     hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     prob = torch.tensor([[.9, .8, .4, .3], [.2, .9, .9, .9], [.9, .6, .6, .6]])
-    row = vh_exit.summarize(hits, prob)
+    wide = hits | torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # top-W hits
+    row = vh_exit.summarize(hits, prob, wide)
+    assert row["topw"] == pytest.approx([2 / 3, 1, 1, 1]) and row["tree_tau"] == pytest.approx(1 + 8 / 3)  # 4, 0, 4
     assert row["anchors"] == 3 and row["top1"] == pytest.approx([2 / 3, 1, 2 / 3, 1])
     assert row["chain_tau"] == pytest.approx(3.0) and row["oracle_steps"] == pytest.approx(8 / 3)
     assert row["thresholds"]["0.5"] == pytest.approx({"mae": 0.0, "lost": 0.0, "steps": 8 / 3})
@@ -132,6 +134,7 @@ def test_vh_exit_bench_runs_on_eagle3_drafters_only(tmp_path):
                          "--max-new-tokens", "16", "--json", str(out)]) == 0
     row = json.load(open(out))["results"]["a"]["all"]
     assert row["anchors"] > 0 and len(row["top1"]) == 7 and len(row["thresholds"]) == 19
+    assert all(w >= t for w, t in zip(row["topw"], row["top1"])) and row["tree_tau"] >= row["chain_tau"]
     with pytest.raises(SystemExit, match="not an EAGLE-3 drafter"):
         vh_exit.main(["--target", "tiny", "--drafter", str(blk), "--sets", "default", "--num", "1"])
 

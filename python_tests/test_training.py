@@ -159,6 +159,20 @@ def test_all_schedules_train(tmp_path):
         assert rec["loss"] == rec["loss"] and rec["loss"] > 0
 
 
+def test_tree_acceptance_labels(tmp_path):
+    """--accept-width W: the simulated verification accepts wherever the target's token is among the
+    drafter's top W, so on the same batch every chain acceptance stays and some positions are added;
+    the CLI refuses W < 1 and W > 1 with the sampling rule."""
+    from dartree_ext.training.cli import main
+    chain = make_trainer(tmp_path / "w1").compute_loss(0)["base"]
+    tree = make_trainer(tmp_path / "w40", accept_width=40).compute_loss(0)["base"]
+    assert bool((tree.accept >= chain.accept).all()) and float(tree.accept.sum()) > float(chain.accept.sum())
+    assert bool((tree.first_reject >= chain.first_reject).all())
+    for bad in (["--accept-width", "0"], ["--accept-width", "2", "--rule", "sample"]):
+        with pytest.raises(SystemExit):
+            main(["--target", "tiny", "--out", str(tmp_path / "cli")] + bad)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

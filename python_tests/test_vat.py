@@ -444,6 +444,62 @@ def test_draft_vocab_linear_equals_materialized(backend):
             torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("vocab_ids", [False, True])
+def test_accept_width_matches_reference(backend, vocab_ids):
+    """Tree acceptance (``accept_width`` W > 1): values, acceptance and gradients equal the reference;
+    acceptance is monotone in W, W = 1 is the chain's rule and W = V' accepts every position whose
+    target argmax is a draft token."""
+    if vocab_ids:
+        draft, target, tokens, vh, valid, ids = _draft_vocab_inputs(6, 5, 300, 40, seed=4)
+        target[1:4, :, ids[5]] += 20.0              # argmaxes in V' that a random draft ranks anywhere
+        draft[1:4] = 3.0 * torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(9), dtype=draft.dtype)
+        options = dict(draft_vocab=ids)
+    else:
+        draft, target, tokens, vh, valid = make_inputs(6, 5, 40, dtype=torch.float64, seed=4, noise=3.0)
+        ids, options = torch.arange(40), {}
+    previous = None
+    for width in (1, 3, 40):
+        (ours, g_ours, gh_ours), (ref, g_ref, gh_ref) = run_both(
+            backend, (draft, target, tokens, vh, valid), schedule="vat", decay_gamma=2.0, accept_width=width,
+            **options)
+        assert torch.equal(ours.accept.cpu(), ref.accept) and torch.equal(ours.first_reject.cpu(), ref.first_reject)
+        torch.testing.assert_close(ours.loss.cpu(), ref.loss, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(g_ours.cpu(), g_ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(gh_ours.cpu(), gh_ref, rtol=1e-9, atol=1e-12)
+        if width == 1:
+            plain = api(backend).vat_loss(draft.to(backend.device), target.to(backend.device),
+                                          tokens.to(backend.device), None, valid.to(backend.device), schedule="vat",
+                                          decay_gamma=2.0, **{k: v.to(backend.device) for k, v in options.items()})
+            assert torch.equal(plain.accept.cpu(), ref.accept)
+        else:
+            assert bool((ref.accept >= previous).all()) and bool((ref.accept > previous).any())
+        previous = ref.accept
+    top_in = (target.argmax(-1, keepdim=True) == ids).any(-1) & valid
+    assert torch.equal(previous, top_in.float())   # W = V': every draft token is drafted
+    assert 0 < float(previous[valid].mean()) <= 1 and (not vocab_ids or bool((~top_in & valid).any()))
+
+
+def test_accept_width_hand_built():
+    """One block, V = 5: the target's argmax is the drafter's 2nd choice at position 1 and its 3rd at
+    position 2: W = 1 rejects at 1, W = 2 at 2, W = 3 accepts both."""
+    draft = torch.tensor([[[3.0, 2.0, 0.0, 0.0, 0.0], [0.0, 3.0, 2.0, 1.0, 0.0]]])
+    target = torch.zeros(1, 2, 5)
+    target[0, 0, 1], target[0, 1, 3] = 5.0, 5.0
+    tokens, valid = torch.tensor([[1, 3]]), torch.ones(1, 2, dtype=torch.bool)
+    for width, accept, first in ((1, [0.0, 0.0], 1), (2, [1.0, 0.0], 2), (3, [1.0, 1.0], 3)):
+        out = vat.vat_loss(draft, target, tokens, None, valid, accept_width=width)
+        assert out.accept.tolist() == [accept] and out.first_reject.tolist() == [first], width
+
+
+def test_accept_width_bad_input():
+    draft, target, tokens, vh, valid = make_inputs(2, 3, 10)
+    for bad in (0, 11, 2.0, True):
+        with pytest.raises(ValueError, match="accept_width"):
+            vat.vat_loss(draft, target, tokens, vh, valid, accept_width=bad)
+    with pytest.raises(ValueError, match="rule='greedy'"):
+        vat.vat_loss(draft, target, tokens, vh, valid, accept_width=2, rule="sample")
+
+
 def test_draft_vocab_bad_input():
     draft, target, tokens, vh, valid, ids = _draft_vocab_inputs(2, 3, 50, 10, seed=1)
     for bad, match in ((ids[:9], "columns"), (ids.clone().fill_(3), "distinct"), (ids + 100, r"\[0, 50\)"),

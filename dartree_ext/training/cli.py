@@ -69,6 +69,8 @@ TRAIN_FLAG_HELP = {
     "rule": "the simulated verification's acceptance rule",
     "decay_gamma": "the VAT decay after the first rejection (block drafters 7, EAGLE-3 drafters 1 / ln 1.25)",
     "vh_weight": "weight of the verification head's loss",
+    "accept_width": "the simulated verification's tree width (greedy rule): a position is accepted while the "
+                    "target's token is among the drafter's top N (1: a chain)",
     "head_weight": "weight of the correction head's VAT loss (0: the head does not train)",
     "draft_vocab": "> 0: train (and draft) over the N most frequent response tokens; saved with the drafter",
     "bf16": "bf16 autocast on the CPU (always on a GPU)",
@@ -136,6 +138,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
         args.decay_gamma = EAGLE3_DECAY_GAMMA if args.drafter == "eagle3" else TrainConfig.decay_gamma
     if args.drafter == "eagle3" and (args.init_from_target or args.root_in_masks or args.draft_vocab):
         p.error("--init-from-target, --root-in-masks and --draft-vocab are block-drafter options")
+    if args.accept_width < 1 or (args.accept_width > 1 and args.rule != "greedy"):
+        p.error("--accept-width must be >= 1, and > 1 (tree acceptance) only with --rule greedy")
     if args.drafter == "block" and args.loss == "eagle3":
         p.error("--loss eagle3 trains an EAGLE-3 drafter: add --drafter eagle3")
     layer_kw = {}

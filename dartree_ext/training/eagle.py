@@ -69,7 +69,7 @@ class Eagle3Objective(nn.Module):
         normed, logits = d.head(d.unroll_blocks(tb.features, batch.sequences.to(device), batch.anchors.to(device)))
         labels = torch.where(tb.valid, tb.labels, 0)
         target_logits = tb.logits.to(logits.dtype)
-        opts = dict(rule=cfg.rule, vh_weight=cfg.vh_weight, generator=generator)
+        opts = dict(rule=cfg.rule, vh_weight=cfg.vh_weight, generator=generator, accept_width=cfg.accept_width)
         block_scale, position_scale = global_scales(tb.valid)
         if cfg.loss == "eagle3":
             vh = d.verification_head(normed.detach())

@@ -46,6 +46,7 @@ class TrainConfig:
     rule: str = "greedy"
     decay_gamma: float = 7.0
     vh_weight: float = 1.0
+    accept_width: int = 1               # simulated verification of a tree of this many children a node (1: a chain)
     head_weight: float = 1.0
     draft_vocab: int = 0                # > 0: train over the N most frequent response tokens (saved with the drafter)
     bf16: bool = False
@@ -151,7 +152,7 @@ class DrafterObjective(nn.Module):
         labels = torch.where(tb.valid, tb.labels, 0)
         target_logits = tb.logits.to(draft.base_logits.dtype)
         opts = dict(rule=cfg.rule, schedule=cfg.loss, decay_gamma=cfg.decay_gamma, generator=generator,
-                    draft_vocab=None if ids is None else ids.to(device))
+                    accept_width=cfg.accept_width, draft_vocab=None if ids is None else ids.to(device))
         base = vat_loss(draft.base_logits, target_logits, labels, vh, tb.valid, vh_weight=cfg.vh_weight, **opts)
         block_scale, position_scale = global_scales(tb.valid)
         loss = base.ce_loss * block_scale + cfg.vh_weight * base.vh_loss * position_scale
