@@ -174,7 +174,8 @@ def main(argv=None) -> int:
             print(f"  {float(thr):.2f}  {v['mae']:.3f}  {v['lost']:.3f}  {v['steps']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": args.target, "num": args.num, "max_new_tokens": args.max_new_tokens, "width": args.width,
+            json.dump({"target": args.target, "num": args.num, "max_new_tokens": args.max_new_tokens,
+                       "width": args.width,
                        "drafters": dict(parse_drafters(args.drafter)), "results": results}, f, indent=1)
     if args.plot:
         plot({label: rows["all"] for label, rows in results.items()}, args.plot)
