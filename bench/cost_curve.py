@@ -91,7 +91,7 @@ def main() -> None:
         cpu, threads = saved["cpu"], saved["threads"]
         print(f"{len(raw)} runs of {args.reps} pairs a size from {args.pairs_from} ({cpu})")
     else:
-        target, _, _, dtype, _, _ = _load_for_generate(args)
+        target, _, _, dtype, _, _, _ = _load_for_generate(args)
         cpu, threads = cpu_name(), torch.get_num_threads()
     fits = {"fastest": lambda nd, pr: fit_curve(nd, pr, "fastest"),
             "paired": lambda nd, pr: fit_curve(nd, pr, "paired"), "spline": spline_fit}

@@ -34,7 +34,7 @@ import torch
 
 import dartree_ext.decoding.decoder as decoder_module
 import dartree_ext.tree as tree_module
-from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser
+from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser, corpus_options
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
 from dartree_ext.decoding.cost import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--by-rows", action="store_true",
                         help="the target's forward time by the number of rows it verifies (median per count)")
     args = parser.parse_args()
-    target, tok, drafter, dtype, _, budget = _load_for_generate(args)
+    target, tok, drafter, dtype, _, budget, corpus = _load_for_generate(args)
     text = args.prompt
     if args.mtbench is not None:
         from dartree_ext.data.prompts import mtbench
@@ -113,7 +113,8 @@ def main() -> None:
             extra = dict(budget="auto", cost_model=CostModel.from_curve({0: 20.0, 1: 2000.0, 4096: 4000.0}, draft_ms=50.0))
         dec = SpeculativeDecoder(target, drafter, method, **{"budget": budget if method != "ar" else 64, **extra},
                                  width=args.width, K=args.K, depth_bonus=args.depth_bonus,
-                                 estimator=args.estimator, lookup=args.lookup if method != "ar" else None)
+                                 estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
+                                 **corpus_options(args, corpus, method))
         gen = torch.Generator().manual_seed(args.seed)
         return dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, generator=gen)

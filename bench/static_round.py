@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from dartree_ext.cli import _load_for_generate, build_generate_parser
+from dartree_ext.cli import _load_for_generate, build_generate_parser, corpus_options
 from dartree_ext.decoding import SpeculativeDecoder, StaticRound, left_pad
 from dartree_ext.decoding.cost import cpu_bf16_native, device_name
 from dartree_ext.loading import encode_prompt
@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     args.method = args.method if args.method != "ar" else "dartree"
     torch.manual_seed(args.seed)
-    target, tok, drafter, dtype, _, budget = _load_for_generate(args)
+    target, tok, drafter, dtype, _, budget, corpus = _load_for_generate(args)
     sets = {name: [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64) for t in texts]
             for name, texts in prompt_texts(args).items()}
     n_new = args.max_new_tokens
@@ -71,7 +71,8 @@ def main() -> None:
     def decoder_run(method: str):
         dec = SpeculativeDecoder(target, drafter if method != "ar" else None, method,
                                  budget=budget if method != "ar" else 64, width=args.width, K=args.K,
-                                 lookup=args.lookup if method != "ar" else None)
+                                 lookup=args.lookup if method != "ar" else None,
+                                 **corpus_options(args, corpus, method))
 
         def go(prompt):
             ids, mask = left_pad([prompt])

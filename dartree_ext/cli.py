@@ -196,6 +196,12 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def corpus_options(args, corpus, method: str) -> dict:
+    """The corpus arguments ``dartree-generate`` gives a ``SpeculativeDecoder`` of ``method`` (none
+    for plain decoding); ``corpus`` as :func:`_load_for_generate` returns it."""
+    return dict(corpus=corpus if method != "ar" else None, corpus_sampling=args.corpus not in ("auto", "none"))
+
+
 def _load_for_generate(args):
     """The target (in the dtype ``--dtype`` asks for and with the linear layers ``--linear`` asks
     for, measured once for ``auto``), its tokenizer, the drafter, the budget, and the forward times
@@ -309,8 +315,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
                                   K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
                                   estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
-                                  corpus=corpus if method != "ar" else None,
-                                  corpus_sampling=args.corpus not in ("auto", "none"))
+                                  **corpus_options(args, corpus, method))
 
     def run(method):
         dec = decoder(method)

@@ -105,6 +105,15 @@ def _e2e():
     return _bench("e2e")
 
 
+@pytest.mark.parametrize("script, extra", [("round_phases", []), ("row_layers_ab", ["--repeats", "1"])])
+def test_bench_scripts_on_the_generate_loader_run(script, extra, monkeypatch, capsys):
+    """bench/ scripts built on ``dartree-generate``'s loader run on the tiny target (they unpack
+    what the loader returns, the corpus included)."""
+    monkeypatch.setattr(sys, "argv", [script, "--target", "tiny", "--max-new-tokens", "6"] + extra)
+    _bench(script).main()
+    assert "dartree" in capsys.readouterr().out
+
+
 def test_vh_exit_bench_scores_hand_built_rounds(tmp_path):
     """bench/vh_exit.py's figures on rounds worked by hand: accepted tokens a = 2, 0, 4 of K = 4;
     at p = 0.5 the head's cut is exact, at p = 0.7 it cuts the third round after 1 token."""
