@@ -445,10 +445,11 @@ def _vat_loss(kernels: Any, draft_logits, target_logits, target_tokens, vh_logit
     tokens = target_tokens.reshape(rows).contiguous()
     if reduce is not None:
         target, tokens, has_label, top_in, uniforms = reduce.reduce(target, tokens, uniforms, float(temperature))
-    ce_soft, ce_hard, accept, _, _ = kernels.row_forward_differentiable(
-        draft_logits.reshape(rows, draft_logits.shape[-1]).contiguous(), target, tokens, uniforms, float(temperature))
+    draft = draft_logits.reshape(rows, draft_logits.shape[-1]).contiguous()
+    ce_soft, ce_hard, accept, _, _ = kernels.row_forward_differentiable(draft, target, tokens, uniforms,
+                                                                         float(temperature))
     if accept_width > 1:  # the target's argmax among the drafter's top accept_width (and in V')
-        accept = _accept_in_top(draft_logits.detach().reshape(rows, -1), target, accept_width).to(accept.dtype)
+        accept = _accept_in_top(draft.detach(), target, accept_width).to(accept.dtype)
     if reduce is not None:
         ce_hard = torch.where(has_label, ce_hard, 0.0)  # no hard label outside the draft vocabulary
         accept = accept * top_in if uniforms is None else accept
