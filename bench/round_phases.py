@@ -34,7 +34,9 @@ import torch
 
 import dartree_ext.decoding.decoder as decoder_module
 import dartree_ext.tree as tree_module
-from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser, corpus_options
+import dartree_ext.decoding.trees as trees_module
+from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser, decoder_for
+from dartree_ext.decoding.config import from_args
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
 from dartree_ext.decoding.cost import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
@@ -58,7 +60,8 @@ def main() -> None:
     parser.add_argument("--by-rows", action="store_true",
                         help="the target's forward time by the number of rows it verifies (median per count)")
     args = parser.parse_args()
-    target, tok, drafter, dtype, _, budget, corpus = _load_for_generate(args)
+    config, target, tok, drafter, dtype, _, corpus = _load_for_generate(args, parser)
+    flags = from_args(args)
     text = args.prompt
     if args.mtbench is not None:
         from dartree_ext.data.prompts import mtbench
@@ -99,6 +102,7 @@ def main() -> None:
         timed(tree_module.ops, "build_supertree")
         for name in ("supertree_as_tree", "candidates"):
             timed(tree_module, name)
+            timed(trees_module, name)  # (the decoder's tree builders hold their own references)
         timed(target, "forward", "target.forward")
         if drafter is not None:
             timed(drafter, "forward", "drafter.forward")
@@ -111,10 +115,7 @@ def main() -> None:
         if args.plain_only and method != "ar":  # a node costs 100 plain steps
             from dartree_ext.decoding.cost import CostModel
             extra = dict(budget="auto", cost_model=CostModel.from_curve({0: 20.0, 1: 2000.0, 4096: 4000.0}, draft_ms=50.0))
-        dec = SpeculativeDecoder(target, drafter, method, **{"budget": budget if method != "ar" else 64, **extra},
-                                 width=args.width, K=args.K, depth_bonus=args.depth_bonus,
-                                 estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
-                                 **corpus_options(args, corpus, method))
+        dec = decoder_for(flags, target, drafter, corpus, method, **extra)
         gen = torch.Generator().manual_seed(args.seed)
         return dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, generator=gen)

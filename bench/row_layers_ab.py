@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from dartree_ext.cli import _load_for_generate, build_generate_parser, corpus_options
+from dartree_ext.cli import _load_for_generate, build_generate_parser, decoder_for
+from dartree_ext.decoding.config import from_args
 from dartree_ext.data.prompts import eval_prompts
-from dartree_ext.decoding import SpeculativeDecoder, left_pad
+from dartree_ext.decoding import left_pad
 from dartree_ext.loading import encode_prompt, stop_tokens
 from dartree_ext.row_layers import restore_row_layers, use_row_layers
 
@@ -38,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    target, tok, drafter, _, _, budget, corpus = _load_for_generate(args)
+    config, target, tok, drafter, _, _, corpus = _load_for_generate(args, parser)
+    flags = from_args(args)
     if args.forward_rows:
         return forward_ab(target, [int(n) for n in args.forward_rows.split(",")], args.repeats)
     texts = [args.prompt] + [eval_prompts()[s][0].text for s in args.sets.split(",") if s]
@@ -48,10 +50,7 @@ def main() -> None:
     def decode(method: str) -> tuple[float, int]:
         seconds, tokens = 0.0, 0
         for ids, mask in prompts:
-            dec = SpeculativeDecoder(target, drafter if method != "ar" else None, method,
-                                     budget=budget if method != "ar" else 64, width=args.width, K=args.K,
-                                     depth_bonus=args.depth_bonus, lookup=args.lookup if method != "ar" else None,
-                                     **corpus_options(args, corpus, method))
+            dec = decoder_for(flags, target, drafter, corpus, method)
             gen = torch.Generator().manual_seed(args.seed)
             start = time.perf_counter()
             out = dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

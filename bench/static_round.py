@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from dartree_ext.cli import _load_for_generate, build_generate_parser, corpus_options
-from dartree_ext.decoding import SpeculativeDecoder, StaticRound, left_pad
+from dartree_ext.cli import _load_for_generate, build_generate_parser, decoder_for
+from dartree_ext.decoding.config import from_args
+from dartree_ext.decoding import StaticRound, left_pad
 from dartree_ext.decoding.cost import cpu_bf16_native, device_name
 from dartree_ext.loading import encode_prompt
 
@@ -61,7 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     args.method = args.method if args.method != "ar" else "dartree"
     torch.manual_seed(args.seed)
-    target, tok, drafter, dtype, _, budget, corpus = _load_for_generate(args)
+    config, target, tok, drafter, dtype, _, corpus = _load_for_generate(args, parser)
+    flags, budget = from_args(args), config.budget
     sets = {name: [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64) for t in texts]
             for name, texts in prompt_texts(args).items()}
     n_new = args.max_new_tokens
@@ -69,10 +71,7 @@ def main() -> None:
     budgets = [int(x) for x in args.static_budget.split(",")]
 
     def decoder_run(method: str):
-        dec = SpeculativeDecoder(target, drafter if method != "ar" else None, method,
-                                 budget=budget if method != "ar" else 64, width=args.width, K=args.K,
-                                 lookup=args.lookup if method != "ar" else None,
-                                 **corpus_options(args, corpus, method))
+        dec = decoder_for(flags, target, drafter, corpus, method)
 
         def go(prompt):
             ids, mask = left_pad([prompt])
@@ -142,7 +141,7 @@ def main() -> None:
     result = {"device": device_name(torch.device(args.device)), "cpu_bf16_native": cpu_bf16_native(),
               "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "dtype": str(dtype).replace("torch.", ""), "linear": args.linear, "max_new_tokens": n_new,
-              "pairs": args.pairs, "decoder": {"method": args.method, "budget": budget, "lookup": args.lookup},
+              "pairs": args.pairs, "decoder": {"method": args.method, "budget": budget, "lookup": config.lookup},
               "static": {"width": args.static_width, "K": args.static_k, "depth": args.static_depth,
                          "cache_slots": {f"B={b}": longest + n_new + b + 2 for b in budgets}},
               "compile_s": compile_s, "sets": per_set}

@@ -115,23 +115,31 @@ def early_exit_arg(text: str) -> float | None:
     return value
 
 
-def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str = "auto") -> None:
-    """The flags that set up a :class:`~dartree_ext.decoding.SpeculativeDecoder` (shared by
-    ``dartree-generate`` and ``bench/e2e.py``)."""
+def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str | None = None) -> None:
+    """The flags of a :class:`~dartree_ext.decoding.config.DecodingConfig` (shared by
+    ``dartree-generate`` and ``bench/e2e.py``); a flag not given is the method's default
+    (:func:`~dartree_ext.decoding.config.resolve`), and one given that the method does not read
+    is reported."""
+    from .decoding.config import ESTIMATORS, PRESETS
+
+    parser.add_argument("--preset", default=None, choices=list(PRESETS),
+                        help="start from a named configuration (default: DARTree sized per round; paper: B = 64, "
+                             "W = 12, K = 64, no lookup branch; compiled; plain); the flags given change it")
     parser.add_argument("--budget", type=budget_arg, default=budget_default,
-                        help=f"draft nodes per round (B), or 'auto' (each round's tree sized by the measured cost "
-                             f"model; methods chain, chain_corrected, ddtree, dartree_fixed, dartree, eagle3, "
-                             f"eagle3_vh). Default {budget_default}")
-    parser.add_argument("--width", type=parse_width, default=12, help="dartree's W, or per-depth widths w1,w2,... "
-                        "(the last repeats), e.g. 32,12")
-    parser.add_argument("--K", type=int, default=64, help="candidates per drafted position")
-    parser.add_argument("--depth-bonus", type=float, default=-0.2)
+                        help="draft nodes per round (B), or 'auto' (each round's tree sized by the measured cost "
+                             f"model). Default {budget_default or 'auto (64 for seq_heap, 8 compiled)'}")
+    parser.add_argument("--width", type=parse_width, default=None, help="dartree's W, or per-depth widths w1,w2,... "
+                        "(the last repeats), e.g. 32,12; eagle3's frontier nodes per step. Default 12 (4 compiled)")
+    parser.add_argument("--K", type=int, default=None, help="candidates per drafted position. Default 64 (8 compiled)")
+    parser.add_argument("--depth-bonus", type=float, default=None, help="dartree's beta. Default -0.2")
+    parser.add_argument("--max-budget", type=int, default=None,
+                        help="budget auto: nodes a tree is built with before it is cut. Default 64")
     parser.add_argument("--early-exit", type=early_exit_arg, default=None, metavar="P",
                         help="draft only up to the verification head's predicted first rejection (threshold P; "
-                             "default none)")
-    parser.add_argument("--estimator", default="score", choices=["score", "adaptive", "vh"],
-                        help="budget auto: node acceptance from calibrated tree scores (adaptive: scaled to the call's recent "
-                             "rounds) or the verification head")
+                             "default none, 0.5 for eagle3_vh)")
+    parser.add_argument("--estimator", default=None, choices=list(ESTIMATORS),
+                        help="budget auto: node acceptance from calibrated tree scores (adaptive: scaled to the call's "
+                             "recent rounds) or the verification head. Default score")
     parser.add_argument("--lookup", type=int, default=None, metavar="L",
                         help="add up to L tokens copied from the request's own context (what followed the latest "
                              "earlier occurrence of its last tokens) to every round's tree; 0: off. Default: "
@@ -141,12 +149,12 @@ def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str
                              "outputs (a CorpusIndex .npz, or a drafter directory holding corpus.npz) and take, per "
                              "row and round, the continuation expected to give more tokens; 'auto': the drafter "
                              "directory's corpus if it has one, at --temperature 0 only (sampled outputs follow it "
-                             "too rarely to pay for the lookups); 'none': off")
+                             "too rarely to pay for the lookups); a PATH is consulted at any temperature; 'none': off")
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
     """The command line of ``dartree-generate``."""
-    from .decoding.decoder import ALL_METHODS
+    from .decoding.methods import ALL_METHODS
 
     parser = argparse.ArgumentParser(prog="dartree-generate",
                                      description="Speculative decoding with draft trees; prints the text, tau and "
@@ -186,48 +194,74 @@ def build_generate_parser() -> argparse.ArgumentParser:
                              "batch-invariant), 'torch' through torch's GEMM; 'auto' (default): measured with the "
                              "dtype, once, cached (plain decoding runs the same layers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_argument("--compile", action="store_true", default=None,
                         help="decode with StaticRound under torch.compile(fullgraph=True): dartree rounds of a fixed "
-                             "budget (--budget, 8 for auto; W = 4, K = 8, 6 drafted positions) on a static cache; "
-                             "no lookup branch, top-k or top-p. With "
-                             "--compare-ar the baseline is plain decoding compiled the same way")
+                             "size on a static cache (--budget, --width, --K, --depth-bonus honoured; default B = 8, "
+                             "W = 4, K = 8, 6 drafted positions); no lookup branch, early exit, estimator, top-k or "
+                             "top-p. With --compare-ar the baseline is plain decoding compiled the same way")
     parser.add_argument("--compile-mode", default=None,
                         help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs on a GPU)")
     return parser
 
 
-def corpus_options(args, corpus, method: str) -> dict:
-    """The corpus arguments ``dartree-generate`` gives a ``SpeculativeDecoder`` of ``method`` (none
-    for plain decoding); ``corpus`` as :func:`_load_for_generate` returns it."""
-    return dict(corpus=corpus if method != "ar" else None, corpus_sampling=args.corpus not in ("auto", "none"))
+def generate_config(args):
+    """The resolved :class:`~dartree_ext.decoding.config.DecodingConfig` of ``dartree-generate``'s
+    (or a bench script's) parsed arguments; a ValueError for a combination it refuses."""
+    from .decoding.config import from_args, resolve
+    return resolve(from_args(args))
 
 
-def _load_for_generate(args):
-    """The target (in the dtype ``--dtype`` asks for and with the linear layers ``--linear`` asks
-    for, measured once for ``auto``), its tokenizer, the drafter, the budget, and the forward times
-    the choice was made from."""
+def decoder_for(config, target, drafter, corpus, method: str | None = None, cost_model=None, **changes):
+    """A :class:`~dartree_ext.decoding.SpeculativeDecoder` for ``config`` with ``method`` and
+    other ``changes`` (give the config as the flags made it, :func:`from_args
+    <dartree_ext.decoding.config.from_args>`, not resolved for another method: a resolved config
+    sets every setting, which another method may not read). Plain decoding (``"ar"``) takes none
+    of the config's settings: it is the baseline, as it runs without a drafter."""
+    from .decoding import SpeculativeDecoder
+    from .decoding.config import preset
+    if method == "ar":
+        return SpeculativeDecoder.from_config(target, None, preset("plain"))
+    config = config.replace(**({"method": method} if method else {}), **changes) if method or changes else config
+    return SpeculativeDecoder.from_config(target, drafter, config, corpus=corpus, cost_model=cost_model)
+
+
+def load_corpus_for(config, drafter_path):
+    """The corpus a resolved ``config`` consults (``None``: none)."""
+    from .loading import load_corpus
+    if config.corpus == "none":
+        return None
+    corpus = load_corpus(drafter_path if config.corpus == "auto" else config.corpus)
+    if corpus is not None:
+        log.info("corpus: %d tokens in %d documents", len(corpus), corpus.documents)
+    return corpus
+
+
+def _load_for_generate(args, parser=None):
+    """The resolved config, the target (in the dtype ``--dtype`` asks for and with the linear
+    layers ``--linear`` asks for, measured once for ``auto``), its tokenizer, the drafter, the
+    corpus, and the forward times the dtype was chosen from."""
     from .decoding.cost import resolve_forward
-    from .decoding.decoder import AUTO_METHODS, EAGLE3_METHODS
-    from .loading import default_target, load_corpus, load_drafter, load_target, shipped_drafter
+    from .loading import default_target, load_drafter, load_target, shipped_drafter
 
+    try:
+        config = generate_config(args)
+    except ValueError as e:
+        if parser is None:
+            raise
+        parser.error(str(e))
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
     target, dtype, args.linear, dtype_ms = resolve_forward(loaded.target, args.dtype, args.linear)
     log.info("dtype %s, linear %s (forward ms here: %s)", str(dtype).replace("torch.", ""), args.linear,
              dtype_ms or "not measured")
-    budget = args.budget
-    if budget == "auto" and args.method not in AUTO_METHODS:
-        budget = 64
-    eagle3 = args.method in EAGLE3_METHODS
-    drafter_path = args.drafter or shipped_drafter(loaded.name, eagle3=eagle3)
+    spec = config.spec
+    drafter_path = args.drafter or shipped_drafter(loaded.name, eagle3=spec.eagle3)
     drafter = None
-    if args.method not in ("ar", "lookup"):
-        drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=eagle3)
-    log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", args.method)
-    corpus = None if args.corpus == "none" else load_corpus(drafter_path if args.corpus == "auto" else args.corpus)
-    if corpus is not None:
-        log.info("corpus: %d tokens in %d documents", len(corpus), corpus.documents)
-    return target, loaded.tokenizer, drafter, dtype, dtype_ms, budget, corpus
+    if spec.drafts:
+        drafter = load_drafter(drafter_path, target, draft_vocab=not args.no_draft_vocab, eagle3=spec.eagle3)
+    log.info("target %s, drafter %s, method %s", loaded.name, drafter_path or "random (untrained)", spec.name)
+    corpus = load_corpus_for(config, drafter_path)
+    return config, target, loaded.tokenizer, drafter, dtype, dtype_ms, corpus
 
 
 def _speedup(ar_out, method_out) -> float:
@@ -292,6 +326,7 @@ def _compare_with_hf(args, target, ids, mask, out) -> dict:
 def generate_main(argv: list[str] | None = None) -> int:
     """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
     from .decoding import SpeculativeDecoder, left_pad
+    from .decoding.config import preset, resolve
     from .decoding.cost import cpu_bf16_native, device_name
     from .loading import encode_prompt, stop_tokens
 
@@ -300,7 +335,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    target, tok, drafter, dtype, dtype_ms, budget, corpus = _load_for_generate(args)
+    config, target, tok, drafter, dtype, dtype_ms, corpus = _load_for_generate(args, parser)
     texts = [args.prompt]
     if args.prompt_file:
         with open(args.prompt_file) as f:
@@ -309,13 +344,13 @@ def generate_main(argv: list[str] | None = None) -> int:
     width = ids.shape[1]
     stops = stop_tokens(tok, target)
     if args.compile:
-        return _generate_compiled(args, parser, target, tok, drafter, dtype, texts, stops)
+        return _generate_compiled(args, config, target, tok, drafter, dtype, texts, stops)
+    plain = resolve(preset("plain"))
 
     def decoder(method):
-        return SpeculativeDecoder(target, drafter, method, budget=budget if method != "ar" else 64, width=args.width,
-                                  K=args.K, depth_bonus=args.depth_bonus, early_exit=args.early_exit,
-                                  estimator=args.estimator, lookup=args.lookup if method != "ar" else None,
-                                  **corpus_options(args, corpus, method))
+        if method == "ar":
+            return SpeculativeDecoder.from_config(target, None, plain)
+        return SpeculativeDecoder.from_config(target, drafter, config, corpus=corpus)
 
     def run(method):
         dec = decoder(method)
@@ -334,7 +369,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         new = out.sequences[b, width:width + out.stats.requests[b].new_tokens].tolist()
         print(f"--- prompt {b}: {text}\n{tok.decode(new, skip_special_tokens=True)}")
     summary = out.stats.summary()
-    summary.update(wall_s=round(seconds, 4), budget=budget, dtype=str(dtype).replace("torch.", ""), linear=args.linear,
+    summary.update(wall_s=round(seconds, 4), budget=config.budget, dtype=str(dtype).replace("torch.", ""), linear=args.linear,
                    dtype_forward_ms={k: round(v, 2) for k, v in dtype_ms.items()}, device=device_name(args.device))
     if torch.device(args.device).type == "cpu":
         summary.update(cpu_bf16_native=cpu_bf16_native(), threads=torch.get_num_threads())
@@ -346,32 +381,17 @@ def generate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-STATIC_DEFAULTS = dict(budget=8, width=4, K=8, depth=6)  # dartree-generate --compile (StaticRound)
-
-
-def _generate_compiled(args, parser, target, tok, drafter, dtype, texts, stops) -> int:
-    """``dartree-generate --compile``: StaticRound's compiled rounds, and
-    with ``--compare-ar`` its compiled plain steps on the same static cache, in alternating pairs."""
+def _generate_compiled(args, config, target, tok, drafter, dtype, texts, stops) -> int:
+    """``dartree-generate --compile``: StaticRound's compiled rounds (of the resolved ``config``),
+    and with ``--compare-ar`` its compiled plain steps on the same static cache, in alternating pairs."""
     from .decoding import StaticRound
     from .decoding.cost import cpu_bf16_native, device_name
     from .loading import encode_prompt
 
-    if args.method != "dartree" or drafter is None:
-        parser.error(f"--compile runs dartree rounds (StaticRound), not --method {args.method}")
-    if args.top_k is not None or args.top_p is not None:
-        parser.error("--compile samples the whole softmax: no --top-k / --top-p")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if args.lookup:
-        log.info("--compile: no context-lookup branch (it needs the host every round)")
     prompts = [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64, device=args.device)
                for t in texts]
-    cfg = dict(STATIC_DEFAULTS)
-    if args.budget != "auto":
-        cfg["budget"] = int(args.budget)
-    cfg["depth"] = min(cfg["depth"], drafter.config.block_size - 1)  # a drafter with a shorter block
-    size = max(p.numel() for p in prompts) + args.max_new_tokens + cfg["budget"] + 2
-    rnd = StaticRound(target, drafter, max_length=size, batch_size=len(prompts), **cfg)
+    rnd = StaticRound.from_config(target, drafter, config, prompts=prompts, max_new_tokens=args.max_new_tokens)
+    cfg = dict(budget=rnd.budget, width=rnd.width, K=rnd.K, depth=rnd.depth, depth_bonus=rnd.depth_bonus)
 
     def run(plain: bool):
         gen = torch.Generator(device=args.device).manual_seed(args.seed)

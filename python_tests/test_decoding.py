@@ -71,7 +71,7 @@ def test_greedy_equals_generate_long_accepted_paths(setup, method):
     assert out.stats.tau > 2.0, f"{method}: tau {out.stats.tau} (the oracle should be accepted)"
     if method in ("ddtree", "dartree", "dartree_fixed", "seq_heap"):
         chain = check_greedy(SpeculativeDecoder(target, OracleDrafter(
-            drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25), "chain"), prompts, refs)
+            drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25), "chain", budget=64), prompts, refs)
         assert out.stats.tau > chain.stats.tau, "a tree should catch second-best tokens a chain misses"
 
 
@@ -441,10 +441,10 @@ def test_early_exit_cuts_where_the_head_says(setup):
     round a plain step, output still exact)."""
     target, drafter, prompts, refs = setup
     sure = _with_vh_bias(drafter, 0.7)
-    full = check_greedy(SpeculativeDecoder(target, sure, "chain", early_exit=0.6), prompts, refs)
+    full = check_greedy(SpeculativeDecoder(target, sure, "chain", budget=64, early_exit=0.6), prompts, refs)
     depth = drafter.config.block_size - 1
     assert set(full.stats.tree_nodes) == {depth}
-    none = check_greedy(SpeculativeDecoder(target, sure, "chain", early_exit=0.8), prompts, refs)
+    none = check_greedy(SpeculativeDecoder(target, sure, "chain", budget=64, early_exit=0.8), prompts, refs)
     assert set(none.stats.tree_nodes) == {0} and none.stats.tau == 1.0
 
 
@@ -455,7 +455,7 @@ def test_early_exit_cuts_each_chain_row_on_its_own(setup):
     assert _leading_at_least(prob, 0.5).tolist() == [4, 1, 0]
     target, drafter, prompts, refs = setup
 
-    dec = SpeculativeDecoder(target, _with_vh_bias(drafter, 0.7), "chain", early_exit=0.6)
+    dec = SpeculativeDecoder(target, _with_vh_bias(drafter, 0.7), "chain", budget=64, early_exit=0.6)
     from dartree_ext.models.drafter import DraftOutput
     from dartree_ext.decoding.decoder import _Batch, _Run
     rows, depth = 3, 5

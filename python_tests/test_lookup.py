@@ -408,7 +408,7 @@ def test_corpus_raises_tau_where_the_context_has_nothing(corpus_setup):
     target, drafter, prompts, refs, corpus = corpus_setup
     plain = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=8), prompts, refs)
     looked = check_greedy(SpeculativeDecoder(target, drafter, "chain", budget=8, lookup=8, corpus=corpus), prompts, refs)
-    alone = check_greedy(SpeculativeDecoder(target, None, "lookup", lookup=8, corpus=corpus), prompts, refs)
+    alone = check_greedy(SpeculativeDecoder(target, None, "lookup", budget=64, lookup=8, corpus=corpus), prompts, refs)
     assert plain.stats.corpus_rounds == 0
     assert looked.stats.tau > plain.stats.tau + 1.0 and alone.stats.tau > 2.0
     auto = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, corpus=corpus,

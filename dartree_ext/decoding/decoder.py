@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Iterable
@@ -33,28 +34,25 @@ import numpy as np
 import torch
 
 from .. import ops
-from .._widths import canonical_width, depth_widths
 from ..linear import linear_as
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
 from ..models.eagle3 import Eagle3Drafter
 from ..sampling import sample_from_probs, speculative_tokens, target_tokens_from_logits
-from ..tree import Tree, build_dartree, candidates, prune, seq_heap, supertree_as_tree
+from ..tree import Tree, prune
+from .hf import additive_mask, text_config
 from .cache import compact_cache_, crop_cache_, select_requests_
+from .config import CORPUS_OFF, ESTIMATORS, DecodingConfig, DecodingConfigWarning, resolve  # noqa: F401
 from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
                    next_backoff, running_average)
 from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats
+from .trees import BUILDERS, TreeRequest, chain_tree, plain_tree, top1_chain
+from .methods import (ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, METHODS,  # noqa: F401 (re-exported)
+                      Method, method as method_entry)
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "seq_heap")
-EAGLE3_METHODS = ("eagle3", "eagle3_vh")  # dynamic trees of an Eagle3Drafter (the others take a BlockDrafter)
-ALL_METHODS = METHODS + EAGLE3_METHODS
-EAGLE3_EARLY_EXIT = 0.5  # eagle3_vh: the verification head's default threshold
-AUTO_METHODS = ("lookup", "chain", "chain_corrected", "ddtree", "dartree_fixed", "dartree", "eagle3", "eagle3_vh")
-DRAFTERLESS = ("ar", "lookup")  # methods that run without a drafter
-DEFAULT_LOOKUP = 10  # method "lookup": continuation tokens per round
 CALIBRATION_PRIOR_TRIALS = 32.0
 RUNNING_WEIGHT = 0.2  # budget="auto": a new round's weight in the running costs (_running_costs)
 OVERHEAD_WEIGHT = 0.1  # ... and in the running bookkeeping ms
@@ -63,8 +61,6 @@ RECENT_ROUNDS = 16
 # positions and builds at most this many nodes; the next round grows if the probe's tree paid
 PROBE_DEPTH, PROBE_CAP = 4, 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
-ESTIMATORS = ("score", "adaptive", "vh")  # budget="auto": node acceptance from calibrated scores (as they are, or
-# scaled to the call's recent rounds: AcceptanceLevel) / the verification head
 
 
 @dataclasses.dataclass
@@ -177,64 +173,32 @@ def left_pad(prompts, pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch
     return ids.to(device), mask.to(device)
 
 
-def _text_config(target):
-    cfg = target.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``visible``, the dtype's minimum elsewhere (HF's additive attention mask)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
-
-
 def drafter_fits(method: str, drafter) -> bool:
     """Whether ``method`` decodes with ``drafter``'s kind: the EAGLE-3 methods with an
     :class:`Eagle3Drafter`, the other drafting methods with a block drafter (``ar`` and ``lookup``
     with anything)."""
-    if method in DRAFTERLESS or drafter is None:
+    spec = method_entry(method)
+    if not spec.drafts or drafter is None:
         return True
-    return (method in EAGLE3_METHODS) == isinstance(drafter, Eagle3Drafter)
+    return spec.eagle3 == isinstance(drafter, Eagle3Drafter)
 
 
-def _check_drafter_kind(method: str, drafter, early_exit: float | None, width, K: int) -> None:
-    """The EAGLE-3 methods take an :class:`Eagle3Drafter` (one width; at most
-    ``ops.MAX_TREE_NODES`` drafted nodes a round), the other drafting methods a block drafter."""
-    if method in DRAFTERLESS or drafter is None:
+def _check_drafter_kind(spec: Method, drafter, width, K: int) -> None:
+    """The EAGLE-3 methods take an :class:`Eagle3Drafter` (at most ``ops.MAX_TREE_NODES``
+    drafted nodes a round), the other drafting methods a block drafter."""
+    if not spec.drafts or drafter is None:
         return
-    if method in EAGLE3_METHODS and not isinstance(drafter, Eagle3Drafter):
-        raise ValueError(f"method {method!r} needs an Eagle3Drafter, got {type(drafter).__name__}")
-    if method not in EAGLE3_METHODS and isinstance(drafter, Eagle3Drafter):
-        raise ValueError(f"method {method!r} needs a block drafter; an Eagle3Drafter decodes with "
+    if spec.eagle3 and not isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"method {spec.name!r} needs an Eagle3Drafter, got {type(drafter).__name__}")
+    if not spec.eagle3 and isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"method {spec.name!r} needs a block drafter; an Eagle3Drafter decodes with "
                          f"{' or '.join(EAGLE3_METHODS)}")
-    if method == "eagle3" and early_exit is not None:
-        raise ValueError("method 'eagle3' drafts every step; the verification head's early exit is method 'eagle3_vh'")
-    if method in EAGLE3_METHODS:
-        if not isinstance(width, int):
-            raise ValueError(f"method {method!r} takes one width (frontier nodes per step), got {width}")
+    if spec.eagle3:
         c, steps = min(K, width), drafter.config.num_steps
         drafted = 1 + c + (steps - 1) * width * c
         if drafted > ops.MAX_TREE_NODES:
-            raise ValueError(f"method {method!r} with width={width}, K={K} and {steps} steps drafts up to {drafted} "
+            raise ValueError(f"method {spec.name!r} with width={width}, K={K} and {steps} steps drafts up to {drafted} "
                              f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
-
-
-def _chain_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> Tree:
-    """A chain: ``root int64[B]`` then ``tokens int64[B, D]`` below it, each node the child of the one
-    before; ``scores [B, D + 1]``."""
-    batch, n = root.shape[0], tokens.shape[1] + 1
-    steps = torch.arange(n, device=root.device, dtype=torch.int32).expand(batch, n)
-    return Tree(tokens=torch.cat([root[:, None], tokens.to(root.device)], 1), parents=(steps - 1).contiguous(),
-                depths=steps.contiguous(), scores=scores,
-                num_nodes=torch.full((batch,), n, dtype=torch.int32, device=root.device))
-
-
-def _top1_chain(base_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each depth's most likely draft token ``int64[B, D]`` and the chain's path log-probabilities
-    ``[B, D + 1]`` (0 at the root, then the cumulative top-1 log-probability): the scores the
-    calibrated estimate cuts a chain by, greedy or sampled (:meth:`SpeculativeDecoder._sampled_chain`)."""
-    top = torch.log_softmax(base_logits.float(), -1).max(-1)
-    root = torch.zeros(base_logits.shape[0], 1, device=base_logits.device)
-    return top.indices, torch.cat([root, top.values.cumsum(1)], 1)
 
 
 @dataclasses.dataclass
@@ -382,10 +346,10 @@ class _Run:
         target = decoder.target
         self.device = prompts[0].device
         self.dtype = next(target.parameters()).dtype
-        self.drafting = decoder.drafter is not None and decoder.method not in DRAFTERLESS
+        self.drafting = decoder.drafter is not None and decoder.spec.drafts
         self.pad_id = decoder._pad_token_id()
         self.max_new_tokens, self.stop, self.sampling = max_new_tokens, stop, sampling
-        self.max_pos = int(getattr(_text_config(target), "max_position_embeddings", 0) or 0) or None
+        self.max_pos = int(getattr(text_config(target), "max_position_embeddings", 0) or 0) or None
         self.generated: list[list[int]] = [[] for _ in prompts]
         # lookup: every request's prompt and output so far, indexed by n-gram
         self.index = [ContextIndex(p.tolist()) for p in prompts] if decoder.lookup else None
@@ -430,38 +394,16 @@ class _Run:
         return torch.cat([input_ids.to(self.device), tail], 1)
 
 
-def _resolve_budget(method: str, budget: int | str, max_budget: int) -> tuple[bool, int]:
-    """``(auto, budget)``: whether the tree is sized per round, and the nodes it is built with
-    (``max_budget`` under ``"auto"``); a ValueError for a budget the method cannot take."""
-    if not isinstance(budget, str):
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
-        return False, budget
-    if budget != "auto":
-        raise ValueError(f"budget must be an int >= 1 or 'auto', got {budget!r}")
-    if method != "ar" and method not in AUTO_METHODS:
-        raise ValueError(f"budget='auto' supports {', '.join(AUTO_METHODS)}, not {method!r}")
-    if max_budget < 1:
-        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
-    return method != "ar", max_budget  # plain decoding has no tree to size
-
-
-def _resolve_lookup(method: str, auto: bool, lookup: int | None) -> int:
-    """Context-lookup tokens per round: ``None`` is :data:`DEFAULT_LOOKUP` for method ``lookup``
-    and where trees are sized by cost (the branch is then cut by cost too), else 0."""
-    if lookup is None:
-        lookup = DEFAULT_LOOKUP if method == "lookup" or (auto and method != "ar") else 0
-    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
-        raise ValueError(f"lookup must be an int >= 0 (continuation tokens per round), got {lookup!r}")
-    if method == "ar" and lookup:
-        raise ValueError("method 'ar' is plain decoding: it takes no lookup continuation (use method 'lookup')")
-    if method == "lookup" and not lookup:
-        raise ValueError("method 'lookup' needs lookup >= 1")
-    return lookup
-
-
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``drafter`` by ``method`` (see :data:`METHODS`).
+
+    The settings are those of :class:`~dartree_ext.decoding.config.DecodingConfig` (``None``:
+    the method's default; :meth:`from_config` takes a config): they are resolved by
+    :func:`~dartree_ext.decoding.config.resolve`, which fills the defaults and reports, with a
+    :class:`~dartree_ext.decoding.config.DecodingConfigWarning` naming it, each setting given
+    that the method does not read, or refuses it. The default budget is ``"auto"``
+    (:data:`~dartree_ext.decoding.config.DEFAULT_BUDGET`; ``seq_heap``, which cannot be sized,
+    builds 64 nodes); ``width`` 12, ``K`` 64, ``depth_bonus`` -0.2, ``max_budget`` 64.
 
     ``budget`` = draft nodes per tree (B, root excluded) for ``ddtree``, ``dartree``,
     ``dartree_fixed`` (``budget // depth`` per depth) and ``seq_heap``; ``width`` = W, the
@@ -504,7 +446,7 @@ class SpeculativeDecoder:
     still verify it. With ``budget="auto"`` it is cut where one more token's expected acceptance
     (learned online per matched n-gram length and depth) no longer pays for its verification
     cost. Method ``lookup`` is this branch alone, without a drafter (prompt-lookup decoding).
-    ``lookup=None`` (the default) is :data:`DEFAULT_LOOKUP` for method ``lookup`` and with
+    ``lookup=None`` (the default) is :data:`~dartree_ext.decoding.config.DEFAULT_LOOKUP` (10) for method ``lookup`` and with
     ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
     ``corpus`` (a :class:`~dartree_ext.decoding.lookup.CorpusIndex` over the target's own earlier
     outputs, e.g. the shipped drafter's ``corpus.npz``) gives the branch a second source: each
@@ -532,67 +474,76 @@ class SpeculativeDecoder:
     ``budget="auto"``, to ``max_budget``, then cut by the chooser as above, and a round drafts
     only 2 steps deeper than its recent trees went (:meth:`_draft_depth`). ``eagle3_vh``
     stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
-    default :data:`EAGLE3_EARLY_EXIT`), cutting its tree's depth there; its ``early_exit`` may
+    default 0.5), cutting its tree's depth there; its ``early_exit`` may
     also be a stop rule (:data:`~dartree_ext.decoding.eagle.StopRule`, e.g. an oracle that knows
     the target's output), which only changes where drafting stops, so decoding stays lossless.
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
-                 method: str = "dartree", budget: int | str = 64, width: int | Sequence[int] = 12, K: int = 64, depth_bonus: float = -0.2,
-                 sync_timing: bool = True, cost_model: CostModel | None = None, max_budget: int = 64,
+                 method: str = "dartree", budget: int | str | None = None, width: int | Sequence[int] | None = None,
+                 K: int | None = None, depth_bonus: float | None = None, sync_timing: bool = True,
+                 cost_model: CostModel | None = None, max_budget: int | None = None,
                  calibrator: AcceptanceCalibrator | DepthCalibrator | None = None, early_exit: float | StopRule | None = None,
-                 estimator: str = "score", lookup: int | None = None, sampled_draft: bool = False,
-                 corpus: CorpusIndex | None = None, corpus_sampling: bool = False) -> None:
-        if method not in ALL_METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(ALL_METHODS)}")
-        if sampled_draft and method != "chain":
-            raise ValueError(f"sampled_draft (speculative sampling of a drafted chain) is for method 'chain', "
-                             f"not {method!r}")
-        self.auto, budget = _resolve_budget(method, budget, max_budget)
-        if cost_model is not None and not isinstance(cost_model, CostModel):
-            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        if K < 1:
-            raise ValueError(f"K must be >= 1, got K={K}")
-        depth_widths(width, 1)  # raises on a width < 1
-        width = canonical_width(width)
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
-        if estimator == "vh" and method in EAGLE3_METHODS:
-            raise ValueError(f"estimator 'vh' reads a block drafter's per-position head probabilities; {method!r} "
-                             f"sizes its trees by calibrated scores ('score' or 'adaptive')")
-        if callable(early_exit):
-            if method != "eagle3_vh":
-                raise ValueError(f"a stop rule as early_exit (a callable) is for method 'eagle3_vh', not {method!r}; "
-                                 f"other methods take a probability threshold")
-        elif early_exit is not None and not 0.0 < early_exit < 1.0:
-            raise ValueError(f"early_exit is a probability threshold in (0, 1), got {early_exit}")
-        _check_drafter_kind(method, drafter, early_exit, width, K)
-        if method == "eagle3_vh" and early_exit is None:
-            early_exit = EAGLE3_EARLY_EXIT
-        self.lookup = _resolve_lookup(method, self.auto, lookup)
+                 estimator: str | None = None, lookup: int | None = None, sampled_draft: bool | None = None,
+                 corpus: CorpusIndex | None = None, corpus_sampling: bool | None = None) -> None:
         if corpus is not None and not isinstance(corpus, CorpusIndex):
             raise TypeError(f"corpus must be a CorpusIndex, got {type(corpus).__name__}")
-        self.corpus = corpus if self.lookup else None  # (a corpus continuation is a lookup branch)
-        self.corpus_sampling = bool(corpus_sampling)
+        config = DecodingConfig(method=method, budget=budget, width=width, K=K, depth_bonus=depth_bonus,
+                                early_exit=early_exit, estimator=estimator, lookup=lookup,
+                                corpus=CORPUS_OFF if corpus is None else "given", corpus_sampling=corpus_sampling,
+                                sampled_draft=sampled_draft, max_budget=max_budget)
+        self._setup(target, drafter, resolve(config), corpus, cost_model, calibrator, sync_timing)
+
+    @classmethod
+    def from_config(cls, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None,
+                    config: DecodingConfig, corpus: CorpusIndex | None = None, cost_model: CostModel | None = None,
+                    calibrator: AcceptanceCalibrator | DepthCalibrator | None = None,
+                    sync_timing: bool = True) -> "SpeculativeDecoder":
+        """A decoder for ``config`` (:class:`~dartree_ext.decoding.config.DecodingConfig`, resolved
+        here; ``config.corpus`` names where ``corpus`` came from: without a ``corpus`` index, none is
+        used). ``config.temperature`` and the other sampling settings are :meth:`generate`'s."""
+        if config.compile:
+            raise ValueError("a compiled config decodes with StaticRound.from_config, not SpeculativeDecoder")
+        if corpus is not None and not isinstance(corpus, CorpusIndex):
+            raise TypeError(f"corpus must be a CorpusIndex, got {type(corpus).__name__}")
+        if corpus is None:
+            config = dataclasses.replace(config, corpus=CORPUS_OFF)
+        dec = cls.__new__(cls)
+        dec._setup(target, drafter, resolve(config), corpus, cost_model, calibrator, sync_timing)
+        return dec
+
+    def _setup(self, target, drafter, config: DecodingConfig, corpus, cost_model, calibrator, sync_timing) -> None:
+        """Set up a decoder for a resolved ``config``."""
+        spec = self.spec = config.spec
+        self.config = config
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        _check_drafter_kind(spec, drafter, config.width, config.K)
+        self.auto = config.auto
+        self.budget = config.max_budget if config.budget == "auto" else config.budget
+        self.lookup = config.lookup
+        self.corpus = corpus if config.corpus != CORPUS_OFF else None  # (a corpus continuation is a lookup branch)
+        self.corpus_sampling = config.corpus_sampling
+        self._warn_corpus = config.corpus not in ("auto", CORPUS_OFF)  # a corpus the user named
         self._corpus = self.corpus  # this call's: None at T > 0 unless corpus_sampling
         self._lookup_stats: dict[str, LookupStats] = {}
         self.lookup_stats = self._lookup_stats_for("greedy")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy")
-        if method in DRAFTERLESS:
+        if not spec.drafts:
             drafter = None  # not used: no drafter pass, no drafter context
         else:
             if drafter is None:
-                raise ValueError(f"method {method!r} needs a drafter")
+                raise ValueError(f"method {spec.name!r} needs a drafter")
             drafter.attach(target)  # raises on a target mismatch
-        self.early_exit, self.estimator, self.sampled_draft = early_exit, estimator, bool(sampled_draft)
-        self._eagle3 = method in EAGLE3_METHODS
-        self._vh_used = method not in DRAFTERLESS + EAGLE3_METHODS and (
-            early_exit is not None or (self.auto and estimator == "vh"))
-        self.target, self.drafter, self.method = target, drafter, method
+        self.early_exit, self.estimator, self.sampled_draft = config.early_exit, config.estimator, config.sampled_draft
+        self._eagle3 = spec.eagle3
+        self._vh_used = spec.drafts and not spec.eagle3 and (
+            self.early_exit is not None or (self.auto and self.estimator == "vh"))
+        self.target, self.drafter, self.method = target, drafter, spec.name
         # the drafter's keys/values of its context, kept per slot instead of recomputed per round
         self._context_kv = callable(getattr(drafter, "context_kv", None))
         self._defer_context = True  # queue the context while the drafter rests (tests turn it off)
-        self.budget, self.width, self.K, self.depth_bonus = budget, width, K, depth_bonus
+        self.width, self.K, self.depth_bonus = config.width, config.K, config.depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
         if calibrator is not None and not isinstance(calibrator, DepthCalibrator):
@@ -607,9 +558,7 @@ class SpeculativeDecoder:
         self._recent_depths: list[int] = []
         self._recent_sizes: list[int] = []
         self._chosen_expected = 0.0
-        self._head = None
-        if drafter is not None and method in ("chain_corrected", "dartree", "dartree_fixed", "seq_heap"):
-            self._head = drafter.export_head(dtype=drafter.dtype)
+        self._head = drafter.export_head(dtype=drafter.dtype) if drafter is not None and spec.head else None
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -620,46 +569,13 @@ class SpeculativeDecoder:
         ``base_logits [B, D', V]``, ``root int64[B]``; with a draft vocabulary, ``base_logits
         [B, D', V']`` and ``vocab int64[V']`` its target ids). ``cap``: build only what the best
         ``cap`` nodes need (see :meth:`_build_cap`)."""
-        def ids(i):
-            return i if vocab is None else vocab[i]
-
-        batch, device, m = root.shape[0], root.device, self.method
-        budget, width = self.budget, self.width
-        if cap is not None and cap < budget and m in ("ddtree", "dartree"):  # see _build_cap
-            budget = cap
-            if m == "dartree" and self.depth_bonus <= 0:
-                width = tuple(min(w, cap) for w in depth_widths(width, base_logits.shape[1]))
-        if m == "ar":
-            return self.plain_tree(root)
-        depth = base_logits.shape[1]
-        if m == "chain":
-            n = depth + 1
-            if self.auto:  # path log-probabilities, for the calibrated acceptance estimate
-                tokens, scores = _top1_chain(base_logits)
-                tokens, scores = ids(tokens), scores.to(device)
-            else:
-                tokens, scores = ids(base_logits.argmax(-1)), torch.zeros(batch, n, device=device)
-            return _chain_tree(root, tokens, scores)
-        k = min(self.K, base_logits.shape[-1])
-        if m == "ddtree":
-            logprobs, top = torch.topk(torch.log_softmax(base_logits.float(), -1), k, dim=-1)
-            return Tree(*ops.ddtree_heap(logprobs.contiguous(), ids(top).contiguous(), root, budget))
-        head = self._head
-        root_state = torch.zeros(batch, head.w_s.shape[1], dtype=head.w_s.dtype, device=device)
-        if m == "chain_corrected":
-            cand_ids, cand_base = candidates(base_logits, k)
-            cand_ids = ids(cand_ids)
-            sup = ops.build_supertree(head, head.project(hidden).contiguous(), cand_ids.contiguous(),
-                                      cand_base.to(head.w_s.dtype).contiguous(), root_state, [1] * depth, 0.0)
-            return supertree_as_tree(*sup, root)
-        if m in ("dartree", "dartree_fixed"):
-            return build_dartree(head, hidden, base_logits, root, root_state, k=k, width=width,
-                                 budget=budget, depth_bonus=self.depth_bonus, fixed=m == "dartree_fixed",
-                                 vocab=vocab, z=self._project(hidden))
-        cand_ids, cand_base = candidates(base_logits, k)  # seq_heap
-        cand_ids = ids(cand_ids)
-        return seq_heap(head, head.project(hidden), cand_ids, cand_base.to(head.w_s.dtype), root, root_state,
-                        self.budget, self.depth_bonus)
+        spec = self.spec
+        if spec.tree is None:
+            return plain_tree(root)
+        return BUILDERS[spec.tree](TreeRequest(hidden, base_logits, root, vocab, budget=self.budget, width=self.width,
+                                               K=self.K, depth_bonus=self.depth_bonus, scored=self.auto,
+                                               cap=cap if spec.capped else None, head=self._head,
+                                               project=self._project))
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The correction head's ``z = W_z H + b1``, run the way the drafter's own linear layers
@@ -672,13 +588,10 @@ class SpeculativeDecoder:
             return head.project(hidden)
         return linear_as(layer, hidden.to(head.w_z.dtype), head.w_z, head.b1, fallback=lambda: head.project(hidden))
 
-    def plain_tree(self, root: torch.Tensor) -> Tree:
+    @staticmethod
+    def plain_tree(root: torch.Tensor) -> Tree:
         """The root alone: a plain decoding step."""
-        batch, device = root.shape[0], root.device  # (not _chain_tree: every round of `ar` builds one)
-        return Tree(tokens=root[:, None].clone(), parents=torch.full((batch, 1), -1, dtype=torch.int32, device=device),
-                    depths=torch.zeros(batch, 1, dtype=torch.int32, device=device),
-                    scores=torch.zeros(batch, 1, device=device),
-                    num_nodes=torch.ones(batch, dtype=torch.int32, device=device))
+        return plain_tree(root)
 
     def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
         """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
@@ -862,6 +775,10 @@ class SpeculativeDecoder:
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
         self._corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
+        if self.corpus is not None and self._corpus is None and self._warn_corpus:
+            warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
+                          "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
+                          stacklevel=2)
         self._skip = self._backoff = 0
         self._recent_depths, self._recent_sizes = [], []
         self._level = AcceptanceLevel()
@@ -917,7 +834,7 @@ class SpeculativeDecoder:
         prompts = [input_ids[b][attention_mask[b]] for b in range(input_ids.shape[0])]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        text = _text_config(self.target)
+        text = text_config(self.target)
         max_pos = int(getattr(text, "max_position_embeddings", 0) or 0) or None
         longest = max(p.numel() for p in prompts)
         if max_pos is not None and longest >= max_pos:
@@ -944,7 +861,7 @@ class SpeculativeDecoder:
             slot = torch.arange(prefix, device=device)
             visible = (slot[None, :, None] >= slot[None, None, :]) & (slot[None, None, :] >= pad[:, None, None])
             visible |= torch.eye(prefix, dtype=torch.bool, device=device)  # pad rows see themselves: no NaN
-            mask = _additive_mask(visible, run.dtype)
+            mask = additive_mask(visible, run.dtype)
             out = self.target(input_ids=ids, attention_mask=mask[:, None], position_ids=(slot - pad[:, None]).clamp(min=0),
                               use_cache=True, output_hidden_states=run.drafting, logits_to_keep=1,
                               **{self._cache_kw: state.cache})
@@ -1015,7 +932,7 @@ class SpeculativeDecoder:
         """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step);
         with ``lookup``, each row's context continuation grafted in."""
         self._chosen_expected = 0.0  # choose_tree sets it: E[accepted] of the drafter's chosen nodes
-        if self.method == "lookup":
+        if not self.spec.drafts:  # plain decoding, or the lookup branch alone
             tree, chosen = self.plain_tree(state.root), (0 if self.auto else None)
         else:
             tree, chosen = self._drafted_tree(run, state, draft)
@@ -1114,7 +1031,7 @@ class SpeculativeDecoder:
             tree, state.draft_q = self._sampled_chain(base_logits, state.root, vocab, run.sampling)
         else:
             tree = self.build_tree(hidden, base_logits, state.root, vocab, **({} if cap is None else {"cap": cap}))
-        if cut is not None and self.method in ("chain", "chain_corrected"):  # chains: each row its own cut
+        if cut is not None and self.spec.chain:  # chains: each row its own cut
             num = torch.minimum(tree.num_nodes, (cut + 1).to(tree.num_nodes.dtype))
             live = torch.arange(tree.tokens.shape[1], device=num.device)[None] < num[:, None]
             tree = dataclasses.replace(tree, num_nodes=num, depths=torch.where(live, tree.depths, -1))
@@ -1150,10 +1067,10 @@ class SpeculativeDecoder:
         verified only when it is a likely one is no longer a draw from q)."""
         q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
         drawn = sample_from_probs(q, sampling.get("generator"))
-        _, scores = _top1_chain(base_logits)  # depends on the drafter's pass alone
+        _, scores = top1_chain(base_logits)  # depends on the drafter's pass alone
         if vocab is not None:
             drawn = vocab.to(drawn.device)[drawn]
-        return _chain_tree(root, drawn, scores.to(root.device)), _DraftQ(q, vocab)
+        return chain_tree(root, drawn, scores.to(root.device)), _DraftQ(q, vocab)
 
     @staticmethod
     def _children_and_q(tree: Tree, draft_q: _DraftQ, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1251,7 +1168,7 @@ class SpeculativeDecoder:
         token, ``max_new_tokens``, or the target's context)."""
         stats = run.stats
         accepted, bonus, paths, sizes = verdict.accepted, verdict.bonus_tokens, verdict.paths, verdict.sizes
-        if self.method != "ar":
+        if not self.spec.plain:
             stats.nodes_per_depth.update(d for row in verdict.depths for d in row if d > 0)
             if self.auto and chosen:
                 drafted = state.drafted or [len(row) for row in verdict.depths]

@@ -26,6 +26,7 @@ end, where the rows of a path past its accepted length are written and never rea
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Sequence
@@ -37,8 +38,9 @@ from .._widths import depth_widths
 from ..models.drafter import BlockDrafter
 from ..tree import build_dartree
 from .cache import cache_layers
+from .config import COMPILED, TREE_DEFAULTS, DecodingConfig, resolve
 from .cost import next_backoff, running_average
-from .decoder import _additive_mask, _text_config
+from .hf import additive_mask, text_config
 
 
 class StaticRound(torch.nn.Module):
@@ -48,8 +50,8 @@ class StaticRound(torch.nn.Module):
     beta; ``depth``: drafted positions (default: the drafter's block minus the root)."""
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter, *, max_length: int, batch_size: int = 1,
-                 budget: int = 8, width: int = 4, K: int = 8, depth: int | None = None,
-                 depth_bonus: float = -0.2) -> None:
+                 budget: int = COMPILED["budget"], width: int = COMPILED["width"], K: int = COMPILED["K"],
+                 depth: int | None = None, depth_bonus: float = TREE_DEFAULTS["depth_bonus"]) -> None:
         super().__init__()
         from transformers import StaticCache
 
@@ -74,7 +76,7 @@ class StaticRound(torch.nn.Module):
         if drafter.draft_vocab is not None:
             drafter._draft_head_weight()  # the head's rows over the draft vocabulary, made once here
 
-        cfg = _text_config(target)
+        cfg = text_config(target)
         heads = cfg.num_key_value_heads or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
@@ -101,6 +103,20 @@ class StaticRound(torch.nn.Module):
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.nodes = budget + 1  # root + tree nodes a round verifies (the pruned tree's columns)
+
+    @classmethod
+    def from_config(cls, target: torch.nn.Module, drafter: BlockDrafter, config: DecodingConfig,
+                    prompts: Sequence[torch.Tensor], max_new_tokens: int) -> "StaticRound":
+        """A round for ``config`` (resolved with ``compile=True``: its budget, width, K, depth bonus
+        and drafted positions, :data:`~dartree_ext.decoding.config.COMPILED` where not given; the
+        depth at most the drafter's block) sized for ``prompts`` and ``max_new_tokens``."""
+        config = resolve(dataclasses.replace(config, compile=True, resolved=False) if not config.compile else config)
+        if not isinstance(drafter, BlockDrafter):
+            raise TypeError(f"compiled rounds need a BlockDrafter, got {type(drafter).__name__}")
+        depth = min(config.depth, drafter.config.block_size - 1)  # a drafter with a shorter block
+        size = max(p.numel() for p in prompts) + max_new_tokens + config.budget + 2
+        return cls(target, drafter, max_length=size, batch_size=len(prompts), budget=config.budget,
+                   width=config.width, K=config.K, depth=depth, depth_bonus=config.depth_bonus)
 
     # prefill ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -136,7 +152,7 @@ class StaticRound(torch.nn.Module):
         visible |= column[None, None, :] == slot[None, :, None]  # pad rows see themselves: no NaN
         positions = (slot[None] - pad[:, None]).clamp(min=0)
         self._set_write(torch.zeros((), dtype=torch.int64, device=device))
-        out = self.target(input_ids=ids, attention_mask=_additive_mask(visible, self.dtype)[:, None],
+        out = self.target(input_ids=ids, attention_mask=additive_mask(visible, self.dtype)[:, None],
                           position_ids=positions, cache_position=slot, use_cache=True, output_hidden_states=True,
                           logits_to_keep=1, **self._cache_arg())
         vectors = self.drafter.project_context(self.drafter.target_features(out.hidden_states))
@@ -216,7 +232,7 @@ class StaticRound(torch.nn.Module):
             position = self.length - self.pad
             visible = self.valid[:, :size].index_fill(1, slots, True)
             self._set_write(self.write)
-            out = self.target(input_ids=self.root[:, None], attention_mask=_additive_mask(visible, self.dtype)[:, None, None],
+            out = self.target(input_ids=self.root[:, None], attention_mask=additive_mask(visible, self.dtype)[:, None, None],
                               position_ids=position[:, None], cache_position=slots, use_cache=True,
                               output_hidden_states=context, **self._cache_arg())
             tokens = sample_tokens(out.logits[:, -1:], uniform, temperature)
