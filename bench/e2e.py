@@ -35,6 +35,7 @@ from dartree_ext.decoding.cost import resolve_forward
 from dartree_ext.linear import LINEAR_KINDS
 from dartree_ext.loading import encode_prompt, load_corpus, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter, oracle_stop_rule
+from dartree_ext.decoding.config import TREE_DEFAULTS
 from dartree_ext.cli import add_decoding_args, budget_arg, early_exit_arg
 from dartree_ext.tree import parse_width
 
@@ -50,12 +51,13 @@ DEFAULT_PROMPTS = [
 @dataclasses.dataclass
 class Params:
     budget: int | str = 64              # B, or "auto" (per-round size from the cost model)
-    width: int | tuple[int, ...] = 12   # W, or per-depth widths (the last repeats)
-    K: int = 64
-    depth_bonus: float = -0.2
+    # None: the method's default (dartree_ext.decoding.config: W = 12, K = 64, beta = -0.2)
+    width: int | tuple[int, ...] | None = None  # W, or per-depth widths (the last repeats)
+    K: int | None = None
+    depth_bonus: float | None = None
     early_exit: float | str | None = None  # the verification head's threshold p (None: no early exit); "oracle":
                                            # eagle3_vh stops at the true first rejection (T = 0, ar's outputs)
-    estimator: str = "score"            # budget="auto": node acceptance from "score", "adaptive" or "vh"
+    estimator: str | None = None        # budget="auto": node acceptance from "score", "adaptive" or "vh"
     lookup: int | None = None           # context-lookup continuation tokens per round (None: the method's default)
     sampled_draft: int = 0              # chain at T > 0: draw each depth's token from the drafter, speculative sampling
     corpus: str = "auto"                # the drafter directory's corpus.npz with the lookup branch: "auto" at T = 0
@@ -63,6 +65,12 @@ class Params:
     # the target's attention: "kernel" (dartree_ext.attention: the row-invariant CPU kernel, else
     # packed SDPA), "packed" (packed SDPA only) or "sdpa" (transformers' own)
     attention: str = "kernel"
+    max_budget: int | None = None       # budget="auto": nodes built before the cut (None: 64)
+
+
+def _or(value, name: str):
+    """A flag's value, or the default the decoder fills in for it."""
+    return TREE_DEFAULTS[name] if value is None else value
 
 
 def prompt_sets(names: str, num: int | None) -> dict[str, list[str]]:
@@ -102,6 +110,7 @@ class Runner:
             raise SystemExit("early_exit=oracle is for eagle3_vh at T = 0 (the stop rule follows ar's greedy outputs)")
         self.references = None  # early_exit=oracle: g -> the group's reference sequences (set by main)
         self.dec = SpeculativeDecoder(target, drafter, method, budget=params.budget, width=params.width, K=params.K,
+                                      max_budget=params.max_budget,
                                       depth_bonus=params.depth_bonus,
                                       early_exit=oracle_stop_rule([]) if self.oracle_exit else params.early_exit,
                                       estimator=params.estimator, lookup=params.lookup if method != "ar" else None,
@@ -256,7 +265,7 @@ def param_kind(name: str, params: Params):
     if name == "width":
         return lambda v: parse_width(v.replace("/", ","))
     return {"budget": budget_arg, "early_exit": lambda v: v if v == "oracle" else early_exit_arg(v),
-            "lookup": int}.get(name, type(getattr(params, name)))
+            "lookup": int, "K": int, "depth_bonus": float, "estimator": str}.get(name, type(getattr(params, name)))
 
 
 def parse_drafters(spec: str) -> list[tuple[str, str]]:
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    add_decoding_args(parser, budget_default=64)
+    add_decoding_args(parser, budget_default=64, presets=False)
     parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget, depth_bonus, early_exit "
                         "(none = off), lookup or estimator (per-depth widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     oracle = args.drafter == "oracle"
     temps = [float(t) for t in args.temperatures.split(",")]
     base_params = Params(args.budget, args.width, args.K, args.depth_bonus, args.early_exit, args.estimator,
-                         args.lookup)
+                         args.lookup, max_budget=args.max_budget)
     variants = [base_params]
     if args.sweep:
         name, values = args.sweep.split("=")
@@ -446,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 if r["same_as_ar"] is False and args.dtype == "float32":
                     failed.append((set_name, r["method"]))
             label = f"\n[{set_name}: {len(prompts)} prompts, T={temperature}"
-            label += f", sweep {args.sweep}]" if args.sweep else f", B={args.budget} W={args.width} K={args.K} " \
-                                                                   f"beta={args.depth_bonus}]"
+            label += f", sweep {args.sweep}]" if args.sweep else f", B={args.budget} W={_or(args.width, 'width')} " \
+                f"K={_or(args.K, 'K')} beta={_or(args.depth_bonus, 'depth_bonus')}]"
             if args.sweep:
                 for r in results:
                     r["method"] = r["method"] if r["method"] == "ar" else \

@@ -37,13 +37,16 @@ import dartree_ext.tree as tree_module
 import dartree_ext.decoding.trees as trees_module
 from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser, decoder_for
 from dartree_ext.decoding.config import from_args
+import dartree_ext.decoding.sizing as sizing_module
+from dartree_ext.decoding.sizing import AutoBudget
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
 from dartree_ext.decoding.cost import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
 
-DECODER_METHODS = ("_draft", "_tree", "_verify", "_commit", "_retire", "_predict_round", "_observe_round",
-                   "build_tree", "choose_tree", "expected_accepted", "_flush_context", "_calibrate",
-                   "_calibrate_unverified", "_graft_lookup")
+DECODER_METHODS = ("_draft", "_tree", "_verify", "_commit", "_retire", "build_tree", "_flush_context",
+                   "_graft_lookup")
+SIZING_METHODS = ("predict_round", "observe_round", "choose_tree", "expected_accepted", "calibrate",
+                  "calibrate_unverified", "lookup_steps")
 
 
 def main() -> None:
@@ -93,10 +96,14 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     if not (args.pairs or args.cold):  # those time the calls as they are, with no wrappers
+        for name in SIZING_METHODS:
+            timed(AutoBudget, name)
         for name in DECODER_METHODS:
             timed(SpeculativeDecoder, name)
-        for name in ("choose_size", "prune", "compact_cache_", "target_tokens_from_logits"):
+        for name in ("prune", "compact_cache_", "target_tokens_from_logits"):
             timed(decoder_module, name)
+        for name in ("choose_size", "prune"):
+            timed(sizing_module, name)
         for name in ("verify_tree", "tree_attention_mask"):
             timed(decoder_module.ops, name)
         timed(tree_module.ops, "build_supertree")

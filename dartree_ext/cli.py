@@ -115,16 +115,18 @@ def early_exit_arg(text: str) -> float | None:
     return value
 
 
-def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str | None = None) -> None:
+def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str | None = None,
+                      presets: bool = True) -> None:
     """The flags of a :class:`~dartree_ext.decoding.config.DecodingConfig` (shared by
     ``dartree-generate`` and ``bench/e2e.py``); a flag not given is the method's default
     (:func:`~dartree_ext.decoding.config.resolve`), and one given that the method does not read
     is reported."""
     from .decoding.config import ESTIMATORS, PRESETS
 
-    parser.add_argument("--preset", default=None, choices=list(PRESETS),
-                        help="start from a named configuration (default: DARTree sized per round; paper: B = 64, "
-                             "W = 12, K = 64, no lookup branch; compiled; plain); the flags given change it")
+    if presets:
+        parser.add_argument("--preset", default=None, choices=list(PRESETS),
+                            help="start from a named configuration (default: DARTree sized per round; paper: B = 64, "
+                                 "W = 12, K = 64, no lookup branch; compiled; plain); the flags given change it")
     parser.add_argument("--budget", type=budget_arg, default=budget_default,
                         help="draft nodes per round (B), or 'auto' (each round's tree sized by the measured cost "
                              f"model). Default {budget_default or 'auto (64 for seq_heap, 8 compiled)'}")

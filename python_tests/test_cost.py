@@ -17,7 +17,8 @@ from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
 from dartree_ext.decoding.cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator,  # noqa: E402
                                        choose_size)
-from dartree_ext.decoding.decoder import AUTO_METHODS, EAGLE3_METHODS, PROBE_DEPTH  # noqa: E402
+from dartree_ext.decoding.methods import AUTO_METHODS, EAGLE3_METHODS  # noqa: E402
+from dartree_ext.decoding.sizing import PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
 from models import tiny_drafter, tiny_target  # noqa: E402
 from test_decoding import NEW, check_greedy, setup  # noqa: E402,F401  (setup: the fixture)
@@ -487,7 +488,7 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
     from dartree_ext.tree import Tree
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator, cost_model=TREES_PAY)
-    dec.calibrator, dec._level = DepthCalibrator.fresh(), AcceptanceLevel()
+    dec.calibrator, dec.sizing.level = DepthCalibrator.fresh(), AcceptanceLevel()
     ninf = float("-inf")
     tree = Tree(tokens=torch.tensor([[5, 6, 7, 8, 9], [5, 1, 2, 3, 0]]),
                 parents=torch.tensor([[-1, 0, 0, 1, 0], [-1, 0, 1, 2, -1]], dtype=torch.int32),
@@ -495,7 +496,7 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
                 scores=torch.tensor([[0.0, -0.3, -1.2, -0.6, ninf], [0.0, -0.04, -2.2, -4.5, ninf]]),
                 num_nodes=torch.tensor([5, 4], dtype=torch.int32))
     accept = torch.tensor([[0, 1, 3, -1, -1], [0, 1, -1, -1, -1]], dtype=torch.int32)
-    dec._calibrate(tree, accept)
+    dec.sizing.calibrate(tree, accept)
     want = [AcceptanceCalibrator() for _ in range(3)]                  # depth 1, 2, >= 3
     want[0].update(torch.tensor([-0.3, -1.2, -0.04]), torch.tensor([1, 0, 1.0]))
     want[1].update(torch.tensor([-0.6, -2.2]), torch.tensor([1, 0.0]))
@@ -506,8 +507,8 @@ def test_calibration_feeds_exactly_the_verified_nodes(setup, estimator):
         want_level = AcceptanceLevel()
         want_level.update(AcceptanceCalibrator().predict(torch.tensor([-0.3, -1.2, -0.6, -0.04, -2.2, -4.5])),
                           torch.tensor([1, 1, 2, 1, 2, 3]), torch.tensor([1, 0, 1, 1, 0, 0.0]))
-        assert dec._level.factor == pytest.approx(want_level.factor) and dec._level.factor != 1.0
-    dec._calibrate_unverified(tree, torch.tensor([7, 3]))   # row 0: node 2 right; row 1: node 1 wrong
+        assert dec.sizing.level.factor == pytest.approx(want_level.factor) and dec.sizing.level.factor != 1.0
+    dec.sizing.calibrate_unverified(tree, torch.tensor([7, 3]))   # row 0: node 2 right; row 1: node 1 wrong
     want[0].update(torch.tensor([-0.3, -1.2, ninf, -0.04]), torch.tensor([0, 1, 0, 0.0]))
     for got, w in zip(dec.calibrator.classes, want):
         assert torch.equal(got.trials, w.trials) and torch.equal(got.hits, w.hits)
@@ -643,15 +644,15 @@ def test_running_costs_follow_the_rounds(setup):
     measured = dataclasses.replace(CostModel.from_curve({0: 100.0, 4096: 105.0}, draft_ms=0.1), overhead_ms=None)
     dec = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24, cost_model=measured)
     check_greedy(dec, prompts, refs, NEW)
-    overhead, scale, drafted = dec._running_costs()
-    assert dec._verify_scale is not None and 1 / 3 <= scale < 0.6
-    assert drafted == dec._drafted_ms and 0 < drafted != TREES_PAY.draft_ms + TREES_PAY.tree("dartree")
-    assert overhead == dec._overhead_ms > 0
+    overhead, scale, drafted = dec.sizing.running_costs()
+    assert dec.sizing.costs.verify_scale is not None and 1 / 3 <= scale < 0.6
+    assert drafted == dec.sizing.costs.drafted_ms and 0 < drafted != TREES_PAY.draft_ms + TREES_PAY.tree("dartree")
+    assert overhead == dec.sizing.costs.overhead_ms > 0
     given = SpeculativeDecoder(target, oracle, "dartree", budget="auto", width=4, K=8, max_budget=24,
                                cost_model=TREES_PAY)
     check_greedy(given, prompts, refs, NEW)
-    assert given._running_costs() == (TREES_PAY.overhead_ms, 1.0, TREES_PAY.draft_ms + TREES_PAY.tree("dartree"))
-    assert given._verify_scale is None and given._drafted_ms is None
+    assert given.sizing.running_costs() == (TREES_PAY.overhead_ms, 1.0, TREES_PAY.draft_ms + TREES_PAY.tree("dartree"))
+    assert given.sizing.costs.verify_scale is None and given.sizing.costs.drafted_ms is None
 
 
 @pytest.mark.parametrize("method", BLOCK_AUTO_METHODS)
@@ -661,7 +662,7 @@ def test_auto_budget_lossless_when_plain_decoding_wins(setup, method):
                              lookup=0)  # the drafter alone (a context continuation can pay here)
     passes = []
     forward = drafter.forward
-    drafter.forward = lambda *a, **kw: passes.append((dec._backoff, kw.get("positions"))) or forward(*a, **kw)
+    drafter.forward = lambda *a, **kw: passes.append((dec.sizing.backoff, kw.get("positions"))) or forward(*a, **kw)
     try:
         out = check_greedy(dec, prompts, refs, NEW)
     finally:
@@ -790,16 +791,16 @@ def test_build_cap_follows_recent_sizes(setup):
     oracle = LookupDrafter(drafter, [torch.cat([p, r]) for p, r in zip(prompts, refs)], miss=0.25)
     step = CostModel.from_curve({0: 10.0, 6: 10.0, 7: 100.0, 64: 200.0}, draft_ms=0.1)  # 3 rows: n <= 1 pays
     dec = SpeculativeDecoder(target, oracle, "ddtree", budget="auto", K=8, lookup=0, cost_model=step)
-    assert dec._build_cap() is None
-    dec._recent_sizes = [1, 3, 2]
-    assert dec._build_cap() is None                                       # fewer than 4 rounds seen
-    dec._recent_sizes = [1, 3, 2, 2]
-    assert dec._build_cap() == 10
-    dec._recent_sizes = [40] * 4
-    assert dec._build_cap() == 64                                         # never above max_budget
-    dec._backoff = 2                                                      # a probe after plain steps
-    assert dec._build_cap() == 16 and dec._draft_depth(15) == 4
-    dec._backoff = 0
+    assert dec.sizing.build_cap() is None
+    dec.sizing.recent_sizes = [1, 3, 2]
+    assert dec.sizing.build_cap() is None                                       # fewer than 4 rounds seen
+    dec.sizing.recent_sizes = [1, 3, 2, 2]
+    assert dec.sizing.build_cap() == 10
+    dec.sizing.recent_sizes = [40] * 4
+    assert dec.sizing.build_cap() == 64                                         # never above max_budget
+    dec.sizing.backoff = 2                                                      # a probe after plain steps
+    assert dec.sizing.build_cap() == 16 and dec.sizing.draft_positions(15) == 4
+    dec.sizing.backoff = 0
     caps = []
     build = dec.build_tree
     dec.build_tree = lambda *a, **kw: caps.append(kw.get("cap")) or build(*a, **kw)

@@ -496,8 +496,8 @@ def test_score_estimator_expected_accepted_by_hand(setup, estimator):
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,
                              cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
-    dec.calibrator, dec._level = DepthCalibrator([AcceptanceCalibrator()]), AcceptanceLevel()  # every depth alike
-    dec._level.factor = 0.5
+    dec.calibrator, dec.sizing.level = DepthCalibrator([AcceptanceCalibrator()]), AcceptanceLevel()  # every depth alike
+    dec.sizing.level.factor = 0.5
     tree = Tree(tokens=torch.tensor([[5, 6, 7, 8], [5, 1, 2, 0]]),
                 parents=torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]], dtype=torch.int32),
                 depths=torch.tensor([[0, 1, 1, 2], [0, 1, 2, -1]], dtype=torch.int32),
@@ -522,10 +522,10 @@ def test_score_estimator_expected_accepted_random_trees(setup, estimator):
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,
                              cost_model=CostModel.from_curve({0: 1.0, 64: 2.0}))
     gen = np.random.default_rng(1)
-    dec.calibrator, dec._level = DepthCalibrator.fresh(3), AcceptanceLevel()
+    dec.calibrator, dec.sizing.level = DepthCalibrator.fresh(3), AcceptanceLevel()
     dec.calibrator.update(-gen.exponential(1.0, 300).astype(np.float32), gen.random(300) < 0.5,
                           gen.integers(1, 5, 300))
-    dec._level.factor = 0.7
+    dec.sizing.level.factor = 0.7
     for _ in range(10):
         rows, width = int(gen.integers(1, 4)), int(gen.integers(2, 12))
         scores = np.round(-gen.exponential(1.0, (rows, width)), 1).astype(np.float32)   # (ties)
@@ -543,7 +543,7 @@ def test_score_estimator_expected_accepted_random_trees(setup, estimator):
         s = np.where(valid & ~np.isnan(s), s, -np.inf).astype(np.float32)
         p = np.where(s > -np.inf, dec.calibrator.predict_np(s, d), 0.0)
         if estimator == "adaptive":
-            p = np.minimum(p * 0.7 ** np.maximum(d, 0), dec._level.p_max)
+            p = np.minimum(p * 0.7 ** np.maximum(d, 0), dec.sizing.level.p_max)
         order = np.argsort(-s, axis=1, kind="stable")
         want = np.concatenate([[0.0], np.take_along_axis(p, order, 1).cumsum(1).sum(0)])
         np.testing.assert_allclose(dec.expected_accepted(tree).numpy(), want, rtol=1e-5, atol=1e-6)
@@ -561,7 +561,7 @@ def test_estimators_lossless(setup, method, estimator):
     out = check_greedy(dec, prompts, refs)
     assert out.stats.rounds > 0
     if estimator == "adaptive":  # the call's level learned from its rounds (the oracle misses a quarter)
-        assert dec._level.factor != 1.0
+        assert dec.sizing.level.factor != 1.0
 
 
 def test_vh_bad_input(setup):
@@ -584,7 +584,7 @@ def test_auto_budget_records_each_chosen_tree_once(setup):
                              cost_model=CostModel.from_curve({0: 10.0, 64: 10.5}))
     out = check_greedy(dec, prompts[:1], refs[:1], new=8)
     chosen = sum(1 for n in out.stats.tree_nodes if n > 0)
-    assert chosen > 0 and len(dec._recent_depths) == min(chosen, 16)
+    assert chosen > 0 and len(dec.sizing.recent_depths) == min(chosen, 16)
 
 
 def test_context_kv_kept_per_slot_equals_recomputing(setup):

@@ -417,7 +417,7 @@ def record_draft_steps(monkeypatch, dec=None) -> list:
     calls, draft = [], decoder_module.eagle3_draft
 
     def recording(*a, **kw):
-        calls.append(kw["steps"] if dec is None else (dec._backoff, kw["steps"]))
+        calls.append(kw["steps"] if dec is None else (dec.sizing.backoff, kw["steps"]))
         return draft(*a, **kw)
 
     monkeypatch.setattr(decoder_module, "eagle3_draft", recording)
@@ -431,7 +431,7 @@ def test_auto_budget_lossless_and_sized(setup, method, monkeypatch):
     untrained drafter under a curve where one node triples a round) the rounds are plain steps
     and the drafter rests, a probe drafting at most PROBE_DEPTH steps.
     Greedy output equals the target's every time (batch 3, different lengths)."""
-    from dartree_ext.decoding.decoder import PROBE_DEPTH
+    from dartree_ext.decoding.sizing import PROBE_DEPTH
     target, random_drafter, trained, prompts, refs = setup
     dec = SpeculativeDecoder(target, trained, method, budget="auto", width=4, K=8, max_budget=24, cost_model=TREES_PAY)
     assert dec.lookup > 0  # auto's default context-lookup branch grafted into the EAGLE-3 trees
@@ -476,7 +476,7 @@ def test_auto_budget_when_the_exit_keeps_nothing(setup, monkeypatch):
     calls = record_draft_steps(monkeypatch)
     out = check_greedy(dec, prompts, refs)
     assert out.stats.plain_rounds == sum(len(r.accepted) for r in out.stats.requests)  # every row, every round
-    assert len(calls) == max(len(r.accepted) for r in out.stats.requests) and dec._backoff == 0  # batch rounds
+    assert len(calls) == max(len(r.accepted) for r in out.stats.requests) and dec.sizing.backoff == 0  # batch rounds
     assert dec.calibrator.trials.sum() == 0
 
 
@@ -490,7 +490,7 @@ def test_cost_model_of_an_eagle3_drafter(setup):
     assert cost.draft_ms == 0.0 and cost.tree_ms == {} and len(cost.verify_ms[0]) == 3
     dec = SpeculativeDecoder(target, trained, "eagle3", budget="auto", width=4, K=8, cost_model=cost, lookup=0)
     check_greedy(dec, prompts[:1], refs[:1])
-    assert dec._drafted_ms is not None and dec._drafted_ms > 0
+    assert dec.sizing.costs.drafted_ms is not None and dec.sizing.costs.drafted_ms > 0
     with pytest.raises(ValueError, match="estimator 'vh'"):
         SpeculativeDecoder(target, trained, "eagle3_vh", budget="auto", estimator="vh")
 

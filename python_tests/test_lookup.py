@@ -72,7 +72,7 @@ def test_lookup_stats_learn_conditional_acceptance():
 def test_lookup_stats_keep_new_nodes_apart_from_agreeing_ones():
     """Tokens the drafter's tree already had and new nodes are learned in separate tables, and a
     path multiplies each depth's conditional from its own table."""
-    from dartree_ext.decoding.decoder import _new_nodes
+    from dartree_ext.decoding.lookup import new_nodes as _new_nodes
     assert _new_nodes([0, 1, 1, 2]) == [False, True, False, True] and _new_nodes([1, 2]) == [True, True]
     stats = LookupStats(max_depth=4, prior_weight=1.0)
     prior = stats.conditional(4)
@@ -197,12 +197,12 @@ def test_lookup_steps_pick_the_analytic_optimum(setup):
     tree = dec.plain_tree(torch.tensor([1]))
     chains = [[4, 5, 6]]
     _, added = graft_chains(tree, chains)
-    dec._chosen_expected = 0.0
-    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 2
+    dec.sizing.chosen_expected = 0.0
+    assert dec.sizing.lookup_steps(tree, chains, [4], added, 0, 0) == 2
     stats.prior[3, :3] = torch.tensor([0.9, 0.9, 0.9], dtype=torch.float64)
-    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 3
+    assert dec.sizing.lookup_steps(tree, chains, [4], added, 0, 0) == 3
     stats.prior[3, :3] = torch.tensor([0.1, 0.9, 0.9], dtype=torch.float64)
-    assert dec._lookup_steps(tree, chains, [4], added, 0, 0) == 0
+    assert dec.sizing.lookup_steps(tree, chains, [4], added, 0, 0) == 0
 
 
 def test_lookup_bad_input(setup):

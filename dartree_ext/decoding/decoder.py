@@ -23,14 +23,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 import time
 import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Iterable
 
-import numpy as np
 import torch
 
 from .. import ops
@@ -43,10 +41,10 @@ from ..tree import Tree, prune
 from .hf import additive_mask, text_config
 from .cache import compact_cache_, crop_cache_, select_requests_
 from .config import CORPUS_OFF, ESTIMATORS, DecodingConfig, DecodingConfigWarning, resolve  # noqa: F401
-from .cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, cached_cost_model, choose_size,
-                   next_backoff, running_average)
+from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator, cached_cost_model
+from .sizing import AutoBudget, FixedBudget, RunningCosts
 from .eagle import StopRule, eagle3_draft
-from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats
+from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats, new_nodes
 from .trees import BUILDERS, TreeRequest, chain_tree, plain_tree, top1_chain
 from .methods import (ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, METHODS,  # noqa: F401 (re-exported)
                       Method, method as method_entry)
@@ -54,12 +52,6 @@ from .methods import (ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, ME
 log = logging.getLogger(__name__)
 
 CALIBRATION_PRIOR_TRIALS = 32.0
-RUNNING_WEIGHT = 0.2  # budget="auto": a new round's weight in the running costs (_running_costs)
-OVERHEAD_WEIGHT = 0.1  # ... and in the running bookkeeping ms
-RECENT_ROUNDS = 16
-# budget="auto": a round that probes the drafter after plain steps drafts at most this many
-# positions and builds at most this many nodes; the next round grows if the probe's tree paid
-PROBE_DEPTH, PROBE_CAP = 4, 16
 PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
 
 
@@ -211,12 +203,6 @@ class _DraftQ:
     vocab: torch.Tensor | None = None
 
 
-def _new_nodes(added: Sequence[int]) -> list[bool]:
-    """Whether each continuation token is a new node, from :class:`ChainGraft`'s cumulative
-    counts of the nodes its first ``d + 1`` tokens add."""
-    return [a > (added[d - 1] if d else 0) for d, a in enumerate(added)]
-
-
 def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per row of ``prob [B, D]``, how many leading positions have ``prob >= threshold``."""
     return (prob >= threshold).int().cumprod(1).sum(1)
@@ -342,13 +328,14 @@ class _Run:
     """One ``generate`` call's settings, output tokens, stats and phase clock."""
 
     def __init__(self, decoder: "SpeculativeDecoder", prompts: list[torch.Tensor], max_new_tokens: int,
-                 stop: set[int], sampling: dict) -> None:
+                 stop: set[int], sampling: dict, sizing=None) -> None:
         target = decoder.target
         self.device = prompts[0].device
         self.dtype = next(target.parameters()).dtype
         self.drafting = decoder.drafter is not None and decoder.spec.drafts
         self.pad_id = decoder._pad_token_id()
         self.max_new_tokens, self.stop, self.sampling = max_new_tokens, stop, sampling
+        self.sizing = decoder.sizing if sizing is None else sizing  # the call's AutoBudget or FixedBudget
         self.max_pos = int(getattr(text_config(target), "max_position_embeddings", 0) or 0) or None
         self.generated: list[list[int]] = [[] for _ in prompts]
         # lookup: every request's prompt and output so far, indexed by n-gram
@@ -421,7 +408,7 @@ class SpeculativeDecoder:
     plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
     most 16) before it is tried again; that probe drafts at most 4 positions and builds at most
     16 nodes (a cheap question: does any tree pay now?). After 4 rounds the tree is built for at
-    most twice the largest size chosen lately plus 4 nodes (:meth:`_build_cap`: the same best
+    most twice the largest size chosen lately plus 4 nodes (:meth:`AutoBudget.build_cap <dartree_ext.decoding.sizing.AutoBudget.build_cap>`: the same best
     nodes, less expansion work).
 
     The drafter's verification head (VAT), which predicts per drafted position the probability
@@ -472,7 +459,7 @@ class SpeculativeDecoder:
     drafter log-probability) with their ``min(K, width)`` most probable children; all drafted
     nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`); with
     ``budget="auto"``, to ``max_budget``, then cut by the chooser as above, and a round drafts
-    only 2 steps deeper than its recent trees went (:meth:`_draft_depth`). ``eagle3_vh``
+    only 2 steps deeper than its recent trees went (:meth:`AutoBudget.draft_positions <dartree_ext.decoding.sizing.AutoBudget.draft_positions>`). ``eagle3_vh``
     stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
     default 0.5), cutting its tree's depth there; its ``early_exit`` may
     also be a stop rule (:data:`~dartree_ext.decoding.eagle.StopRule`, e.g. an oracle that knows
@@ -550,14 +537,8 @@ class SpeculativeDecoder:
             calibrator = DepthCalibrator([calibrator])  # one calibrator for every depth
         self._given_calibrator = calibrator
         self._calibrators: dict[str, DepthCalibrator] = {}
-        self.calibrator = self._calibrator_for("greedy")
-        self._skip = self._backoff = 0
-        self._level = AcceptanceLevel()  # estimator="adaptive": reset per generate call
-        self._overhead_ms = None
-        self._verify_scale = self._drafted_ms = None  # see _running_costs (None: no round seen yet)
-        self._recent_depths: list[int] = []
-        self._recent_sizes: list[int] = []
-        self._chosen_expected = 0.0
+        self._costs = RunningCosts()  # the cost model's corrections, kept across calls
+        self.sizing = self._sizing_for(0.0)  # the latest call's (a new one per generate call)
         self._head = drafter.export_head(dtype=drafter.dtype) if drafter is not None and spec.head else None
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -568,7 +549,7 @@ class SpeculativeDecoder:
         """This decoder's draft tree for one drafter pass (``hidden [B, D', H]``,
         ``base_logits [B, D', V]``, ``root int64[B]``; with a draft vocabulary, ``base_logits
         [B, D', V']`` and ``vocab int64[V']`` its target ids). ``cap``: build only what the best
-        ``cap`` nodes need (see :meth:`_build_cap`)."""
+        ``cap`` nodes need (see :meth:`AutoBudget.build_cap <dartree_ext.decoding.sizing.AutoBudget.build_cap>`)."""
         spec = self.spec
         if spec.tree is None:
             return plain_tree(root)
@@ -594,131 +575,43 @@ class SpeculativeDecoder:
         return plain_tree(root)
 
     def expected_accepted(self, tree: Tree, accept_prob: torch.Tensor | None = None) -> torch.Tensor:
-        """``E[n]`` = expected accepted draft tokens of each row's best ``n`` nodes, summed over
-        the rows, for ``n = 0 .. N - 1`` (best-first by score, the order :func:`prune` keeps).
-        A node's probability is its calibrated score, or with ``accept_prob [B, D]`` (the
-        verification head's) ``accept_prob[depth - 1]`` times its path probability relative to
-        the best node of its depth."""
-        if accept_prob is None:
-            return torch.tensor(self._expected_list(tree), dtype=torch.float32)
-        scores = tree.scores[:, 1:].float()
-        valid = torch.arange(1, tree.tokens.shape[1], device=scores.device)[None] < tree.num_nodes[:, None]
-        scores = torch.where(valid, scores, float("-inf"))
-        # the verification head's probabilities: on the tree's device, then one transfer
-        depth = tree.depths[:, 1:].long().clamp(min=0)
-        best = torch.full((scores.shape[0], int(depth.max()) + 1), float("-inf"), device=scores.device)
-        best = best.scatter_reduce(1, depth, scores, "amax")
-        rel = torch.where(valid, (scores - best.gather(1, depth)).exp(), 0.0)
-        at_depth = torch.cat([torch.ones_like(accept_prob[:, :1]), accept_prob.float()], 1)
-        p = (at_depth.gather(1, depth.clamp(max=at_depth.shape[1] - 1)) * rel).clamp(max=1.0)
-        p, scores = torch.where(valid, p, 0.0).cpu(), scores.cpu()
-        order = scores.argsort(dim=1, descending=True, stable=True)
-        return torch.cat([torch.zeros(1), p.gather(1, order).cumsum(1).sum(0)])
-
-    def _expected_list(self, tree: Tree) -> list[float]:
-        """:meth:`expected_accepted` from calibrated scores, as a list, on the host in plain Python
-        (a round's few dozen nodes: right after the target's forward a library's code paths are
-        cold, and each NumPy or torch call costs tens of microseconds)."""
-        scores, depths, num = self._host_lists(tree, tree.scores, tree.depths)
-        width = tree.tokens.shape[1]
-        total = [0.0] * width
-        factor = self._level.factor if self.estimator == "adaptive" else 1.0
-        for row_scores, row_depths, n in zip(scores, depths, num):
-            s, d = row_scores[1:n], row_depths[1:n]
-            p = self.calibrator.predict_list(s, d)
-            if factor != 1.0:
-                p_max = self._level.p_max
-                p = [min(v * factor ** max(k, 0), p_max) for v, k in zip(p, d)]
-            # best first (ties in node order, NaN as -inf); nodes without a drafter score (-inf) add nothing
-            order = sorted(range(len(s)), key=lambda j: s[j] if s[j] == s[j] else -math.inf, reverse=True)
-            acc = 0.0
-            for i, j in enumerate(order, start=1):
-                if s[j] > -math.inf:
-                    acc += p[j]
-                total[i] += acc
-            for i in range(len(s) + 1, width):
-                total[i] += acc
-        return total
+        """:meth:`AutoBudget.expected_accepted <dartree_ext.decoding.sizing.AutoBudget.expected_accepted>`
+        under this decoder's calibration."""
+        return self.sizing.expected_accepted(tree, accept_prob)
 
     def choose_tree(self, tree: Tree, context: int, accept_prob: torch.Tensor | None = None) -> tuple[Tree, int]:
-        """``budget="auto"``: the tree cut to its best ``n`` nodes (``n`` chosen by the cost
-        model; the root alone for ``n = 0``) and ``n``. ``accept_prob``: as in
-        :meth:`expected_accepted`."""
-        expected = self._expected_list(tree) if accept_prob is None else self.expected_accepted(tree, accept_prob).tolist()
-        batch = tree.tokens.shape[0]
-        overhead, scale, drafted = self._running_costs()
-        n, _ = choose_size(expected, self.cost_model, self.method, context, batch, overhead, scale, drafted)
-        self._chosen_expected = float(expected[n])
-        if n == 0:
-            return self.plain_tree(tree.tokens[:, 0]), 0
-        if n < tree.tokens.shape[1] - 1:
-            tree = prune(tree, n)
-        return tree, n
+        """``budget="auto"``: :meth:`AutoBudget.choose_tree <dartree_ext.decoding.sizing.AutoBudget.choose_tree>`."""
+        return self.sizing.choose_tree(tree, context, accept_prob)
 
-    def _predict_round(self, state: _Batch, tree: Tree, drafted: bool) -> tuple[float, float]:
-        """What the chooser expects of this round: (tokens, ms) for the tree about to be verified."""
-        rows = tree.tokens.shape[0]
-        overhead, scale, drafted_ms = self._running_costs()
-        ms = scale * self.cost_model.verify(rows * tree.tokens.shape[1] - 1, state.cache_len) + overhead
-        if drafted:
-            ms += drafted_ms
-        return rows + self._chosen_expected, ms
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model trees are sized by (``budget="auto"``; measured at the first call when
+        not given)."""
+        return self._cost_model
 
-    def _running_costs(self) -> tuple[float, float, float]:
-        """``(overhead ms, verify scale, drafter pass + tree ms)`` as the chooser prices a round.
-        A measured cost model (``overhead_ms`` None) is corrected by the rounds as they run: the
-        bookkeeping, the drafter pass plus tree construction, and the ratio of each round's
-        verification to the curve's figure, each a running average
-        (:meth:`_observe_round`), so a cost model measured in a fast or slow minute of a shared
-        machine, or missing a cost of the real round, does not skew the choice. A given cost
-        model (``overhead_ms`` set, e.g. :meth:`CostModel.from_curve`) is taken as it is."""
-        cost = self.cost_model
-        modelled = cost.draft_ms + cost.tree(self.method)
-        if cost.overhead_ms is not None:
-            return cost.overhead_ms, 1.0, modelled
-        return (self._overhead_ms or 0.0, 1.0 if self._verify_scale is None else self._verify_scale,
-                modelled if self._drafted_ms is None else self._drafted_ms)
+    @cost_model.setter
+    def cost_model(self, value: CostModel | None) -> None:
+        self._cost_model = value
+        if isinstance(getattr(self, "sizing", None), AutoBudget):
+            self.sizing.cost_model = value
 
-    def _observe_round(self, state: _Batch, tree: Tree, drafted: bool, round_start: float, tree_end: float,
-                       verify_end: float) -> None:
-        """``budget="auto"``: fold one round's measured times into the running costs
-        (:meth:`_running_costs`): ``drafted`` (the drafter ran) rounds give the drafter pass plus
-        tree construction; every round gives its verification ms over the curve's figure for its
-        width (clamped to 1/3..3, so one stall cannot swing it)."""
-        cost = self.cost_model
-        if cost is None or cost.overhead_ms is not None:
-            return
-        modelled = cost.verify(tree.tokens.shape[0] * tree.tokens.shape[1] - 1, state.cache_len)
-        ratio = min(3.0, max(1 / 3, 1e3 * (verify_end - tree_end) / modelled))
-        self._verify_scale = running_average(self._verify_scale, ratio, RUNNING_WEIGHT)
-        if drafted:
-            self._drafted_ms = running_average(self._drafted_ms, 1e3 * (tree_end - round_start), RUNNING_WEIGHT)
+    @property
+    def calibrator(self) -> DepthCalibrator | None:
+        """The calibration the latest call's trees are cut by (``budget="auto"``)."""
+        return getattr(self.sizing, "calibrator", None)
 
-    def _build_cap(self) -> int | None:
-        """budget="auto": the nodes a round's tree is built with, twice the largest size chosen
-        in the last rounds plus 4 (``None``, the full ``max_budget``, until 4 rounds have been
-        seen). The chooser then looks at no more nodes than that. The best ``n <= cap`` nodes are
-        the same as those of the full build: for ``ddtree`` the heap pops them first, and for
-        ``dartree`` (depth bonus <= 0, so a child never outscores its parent) they are among the
-        best ``cap`` of each depth, so a width of ``cap`` per depth keeps them. It spares the
-        expansion work of nodes no round is going to verify. A probe of the drafter after plain
-        steps builds :data:`PROBE_CAP` nodes at most."""
-        if self._backoff:  # a probe after plain steps
-            return min(self.budget, PROBE_CAP)
-        if len(self._recent_sizes) < 4:
-            return None
-        return min(self.budget, 2 * max(self._recent_sizes) + 4)
+    @calibrator.setter
+    def calibrator(self, value: DepthCalibrator) -> None:
+        self.sizing.calibrator = value
 
-    def _draft_depth(self, full: int) -> int:
-        """budget="auto": draft positions to build trees from: 2 deeper than the deepest tree
-        chosen in the last rounds (all of them until 4 rounds have been seen), so the search
-        can still grow; a deeper tree is never cut below what was chosen lately. A probe after
-        plain steps drafts :data:`PROBE_DEPTH` positions at most."""
-        if self._backoff:  # a probe after plain steps
-            return min(full, PROBE_DEPTH)
-        if len(self._recent_depths) < 4:
-            return full
-        return max(1, min(full, max(self._recent_depths) + 2))
+    def _sizing_for(self, temperature: float) -> AutoBudget | FixedBudget:
+        """One call's sizing: a fixed budget, or ``budget="auto"`` with the calibrator of the
+        call's regime (sampled chains are accepted by another rule than fixed drafts: their own)."""
+        if not self.auto:
+            return FixedBudget()
+        regime = "greedy" if temperature == 0 else "sampled_draft" if self.sampled_draft else "sample"
+        return AutoBudget(self.method, self.budget, self.cost_model, self._calibrator_for(regime), self.estimator,
+                          self._costs, self._lookup_stats_for("greedy" if temperature == 0 else "sample"))
 
     def _calibrator_for(self, regime: str) -> DepthCalibrator:
         """One calibrator per regime ("greedy", "sample" or "sampled_draft": acceptance differs), per depth class
@@ -769,9 +662,7 @@ class SpeculativeDecoder:
         """
         prompts = self._check_inputs(input_ids, attention_mask, max_new_tokens, temperature)
         self._ensure_cost_model()
-        # sampled chains are accepted by another rule than fixed drafts: their own calibration
-        self.calibrator = self._calibrator_for("greedy" if temperature == 0 else
-                                               "sampled_draft" if self.sampled_draft else "sample")
+        sizing = self.sizing = self._sizing_for(temperature)
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
         self._corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
@@ -779,11 +670,8 @@ class SpeculativeDecoder:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
                           "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
                           stacklevel=2)
-        self._skip = self._backoff = 0
-        self._recent_depths, self._recent_sizes = [], []
-        self._level = AcceptanceLevel()
         run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
-                   dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator))
+                   dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator), sizing)
         state = self._prefill(run, prompts)
         bar = None
         if progress:
@@ -794,18 +682,21 @@ class SpeculativeDecoder:
             state.begin_round(self._cache_length(state.cache))
             draft = self._draft(run, state)
             tree, chosen = self._tree(run, state, draft)
-            predicted = self._predict_round(state, tree, draft is not None) if self.auto and tree.tokens.shape[1] > 1 else None
+            rows, width = tree.tokens.shape
+            predicted = sizing.predict_round(rows, width, state.cache_len, draft is not None) \
+                if self.auto and width > 1 else None
             tree_end = time.perf_counter()
             verdict = self._verify(run, state, tree)
             start = time.perf_counter()
             if self.auto:
-                self._observe_round(state, tree, draft is not None, round_start, tree_end, start)
+                sizing.observe_round(rows, width, state.cache_len, draft is not None, tree_end - round_start,
+                                     start - tree_end)
             self._commit(run, state, tree, verdict, chosen, draft)
             self._retire(run, state, tree, verdict, chosen)
             if bar is not None:
                 bar.update(sum(verdict.accepted) + len(verdict.accepted))
             end = run.tick("bookkeeping")
-            self._overhead_ms = running_average(self._overhead_ms, 1e3 * (end - start), OVERHEAD_WEIGHT)
+            self._costs.observe_overhead(1e3 * (end - start))
             if predicted is not None:
                 run.stats.auto_rounds += 1
                 run.stats.predicted_tokens += predicted[0]
@@ -903,35 +794,33 @@ class SpeculativeDecoder:
         probabilities too. The EAGLE-3 methods draft their whole dynamic tree here
         (:func:`~dartree_ext.decoding.eagle.eagle3_draft`, not yet cut to the budget)."""
         draft = None
-        if run.drafting and self._skip == 0:
+        if run.drafting and not run.sizing.rests():
             if state.pending:
                 self._flush_context(state)
             self._ensure_context(state)
-            if self._eagle3:  # with budget="auto", only the steps recent trees reached + 2 (_draft_depth)
+            if self._eagle3:  # with budget="auto", only the steps recent trees reached + 2 (AutoBudget.draft_positions)
                 steps = self.drafter.config.num_steps
                 draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
-                                     early_exit=self.early_exit, steps=self._draft_depth(steps) if self.auto else steps)
+                                     early_exit=self.early_exit, steps=run.sizing.draft_positions(steps))
                 run.tick("draft")
                 return draft
             slot = torch.arange(state.cache_len, device=run.device)
             kw = {}
             if state.context_kv is not None:
                 kw["context_kv"] = [kv[:, :state.cache_len] for kv in state.context_kv]
-            if self.auto:  # only the positions a tree is built from: recent chosen depths + 2 (_draft_depth)
-                kw["positions"] = self._draft_depth(self.drafter.config.block_size - 1)
+            if self.auto:  # only the positions a tree is built from: recent chosen depths + 2 (AutoBudget.draft_positions)
+                kw["positions"] = run.sizing.draft_positions(self.drafter.config.block_size - 1)
             draft = self.drafter(state.root, state.position, state.context[:, :state.cache_len],
                                  (slot[None] - state.pad[:, None]).clamp(min=0), state.past_valid, **kw)
             if self._vh_used and draft.hidden.shape[1]:
                 draft.accept_prob = torch.sigmoid(self.drafter.verification_head(draft.hidden).float())
-        elif self._skip:
-            self._skip -= 1
         run.tick("draft")
         return draft
 
     def _tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
         """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step);
         with ``lookup``, each row's context continuation grafted in."""
-        self._chosen_expected = 0.0  # choose_tree sets it: E[accepted] of the drafter's chosen nodes
+        run.sizing.chosen_expected = 0.0  # choose_tree sets it: E[accepted] of the drafter's chosen nodes
         if not self.spec.drafts:  # plain decoding, or the lookup branch alone
             tree, chosen = self.plain_tree(state.root), (0 if self.auto else None)
         else:
@@ -961,43 +850,14 @@ class SpeculativeDecoder:
             ngrams.append(n)
             sources.append(source)
         graft = ChainGraft(tree, chains)
-        new = [_new_nodes(a) for a in graft.added]
+        new = [new_nodes(a) for a in graft.added]
         steps = None
         if self.auto and any(chains):
-            steps = self._lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len, new, sources)
+            steps = run.sizing.lookup_steps(tree, chains, ngrams, graft.added, chosen, state.cache_len, new, sources)
             chains = [c[:steps] for c in chains]
         state.chains, state.ngrams, state.drafted, state.chain_new = chains, ngrams, tree.num_nodes.tolist(), new
         state.chain_stats = sources
         return graft.tree(steps)
-
-    def _lookup_steps(self, tree: Tree, chains: list[list[int]], ngrams: list[int], added: list[list[int]],
-                      chosen: int | None, context: int, new: list[list[bool]] | None = None,
-                      sources: list[LookupStats] | None = None) -> int:
-        """How many continuation tokens to graft (0..longest chain): the step maximising
-        ``(rows + E[accepted]) / round ms``, where a grafted token adds its path's acceptance
-        probability (:class:`LookupStats`) unless the drafter's tree already had it, and the
-        round's cost grows with the widest row."""
-        cost, rows = self.cost_model, len(chains)
-        overhead, scale, drafted_ms = self._running_costs()
-        base_width = tree.tokens.shape[1]
-        fixed = (drafted_ms if chosen else 0.0) + overhead
-        num = tree.num_nodes.tolist()
-        new = [_new_nodes(a) for a in added] if new is None else new  # (_new_nodes of each row's added)
-        sources = [self.lookup_stats] * rows if sources is None else sources  # each row's continuation's statistics
-        probs = [src.path_probs(n, len(c), fresh) if c else [] for c, n, fresh, src in zip(chains, ngrams, new, sources)]
-        expected = rows + self._chosen_expected
-        best_steps, best_rate, best_expected = 0, expected / (fixed + scale * cost.verify(rows * base_width - 1, context)), expected
-        for d in range(1, max(len(c) for c in chains) + 1):
-            for b, c in enumerate(chains):
-                if d <= len(probs[b]) and new[b][d - 1]:  # a new node (within the learned depths)
-                    expected += probs[b][d - 1]
-            width = max(base_width, max(num[b] + (added[b][min(d, len(added[b])) - 1] if added[b] else 0)
-                                        for b in range(rows)))
-            rate = expected / (fixed + scale * cost.verify(rows * width - 1, context))
-            if rate > best_rate * (1 + 1e-9):
-                best_steps, best_rate, best_expected = d, rate, expected
-        self._chosen_expected = best_expected - rows  # the round's prediction now includes the graft
-        return best_steps
 
     def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
         """The drafter's tree (see :meth:`_tree`)."""
@@ -1008,7 +868,7 @@ class SpeculativeDecoder:
                         tree.num_nodes)
             chosen = None
             if self.auto:  # (the head's early exit kept no step: a plain step, no back-off)
-                tree, chosen = (tree, 0) if width == 1 else self._choose(state, tree, None)
+                tree, chosen = (tree, 0) if width == 1 else self._choose(run, state, tree, None)
             run.tick("tree")
             return tree, chosen
         if run.drafting and draft is None:
@@ -1026,7 +886,7 @@ class SpeculativeDecoder:
                 return self.plain_tree(state.root), (0 if self.auto else None)
             hidden, base_logits = hidden[:, :keep], base_logits[:, :keep]
             prob = None if prob is None else prob[:, :keep]
-        cap = self._build_cap() if self.auto else None
+        cap = run.sizing.build_cap()
         if self.sampled_draft and run.sampling["temperature"] > 0:
             tree, state.draft_q = self._sampled_chain(base_logits, state.root, vocab, run.sampling)
         else:
@@ -1037,21 +897,15 @@ class SpeculativeDecoder:
             tree = dataclasses.replace(tree, num_nodes=num, depths=torch.where(live, tree.depths, -1))
         chosen = None
         if self.auto:
-            tree, chosen = self._choose(state, tree, prob if self.estimator == "vh" else None)
+            tree, chosen = self._choose(run, state, tree, prob if self.estimator == "vh" else None)
         run.tick("tree")
         return tree, chosen
 
-    def _choose(self, state: _Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
-        """``budget="auto"``: :meth:`choose_tree` on a drafted tree, and the back-off after a plain
-        step (``n = 0``: no tree pays; the drafter rests 1, 2, 4, ... rounds)."""
+    @staticmethod
+    def _choose(run: _Run, state: _Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
+        """``budget="auto"``: the call's cut of a drafted tree (the full tree kept for calibration)."""
         state.full_tree = tree
-        tree, chosen = self.choose_tree(tree, state.cache_len, accept_prob)
-        if chosen == 0:
-            self._backoff = next_backoff(self._backoff)
-            self._skip = self._backoff
-        else:
-            self._backoff = 0  # _retire records the verified tree's depth
-        return tree, chosen
+        return run.sizing.choose(tree, state.cache_len, accept_prob)
 
     def _sampled_chain(self, base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Tensor | None,
                        sampling: dict) -> tuple[Tree, _DraftQ]:
@@ -1152,14 +1006,14 @@ class SpeculativeDecoder:
                 nxt = torch.where(torch.arange(width, device=device)[None] >= (lengths.long() - 1)[:, None],
                                   verdict.bonus[:, None], nxt)
             state.stage_context(feats, nxt, in_path)
-            if self._skip == 0 or not self._defer_context:  # the drafter runs next round: no wait
+            if run.sizing.skip == 0 or not self._defer_context:  # the drafter runs next round: no wait
                 self._flush_context(state)
         if self.auto and chosen:
-            self._calibrate(tree, verdict.accept_nodes)
+            run.sizing.calibrate(tree, verdict.accept_nodes)
         elif self.auto and chosen == 0 and state.full_tree is not None and state.draft_q is None:
             # (a sampled chain is accepted by speculative sampling, not by equality with the target's
             # sample: a plain round has nothing to teach its calibration; probes do)
-            self._calibrate_unverified(state.full_tree, verdict.target_tokens[:, 0])
+            run.sizing.calibrate_unverified(state.full_tree, verdict.target_tokens[:, 0])
         state.length = state.length + lengths
         state.root = verdict.bonus
 
@@ -1173,8 +1027,7 @@ class SpeculativeDecoder:
             if self.auto and chosen:
                 drafted = state.drafted or [len(row) for row in verdict.depths]
                 deepest = max(d for row, n in zip(verdict.depths, drafted) for d in row[:n])
-                self._recent_depths = (self._recent_depths + [deepest])[-RECENT_ROUNDS:]
-                self._recent_sizes = (self._recent_sizes + [chosen])[-RECENT_ROUNDS:]
+                run.sizing.record(chosen, deepest)
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         if state.chains is not None:
@@ -1204,59 +1057,6 @@ class SpeculativeDecoder:
             state.keep(torch.tensor(keep, dtype=torch.int64, device=run.device))
 
     # helpers --------------------------------------------------------------------------------
-    def _calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
-        """Feed the verified draft nodes (accepted or not) to the calibrator."""
-        scores, depths, path, num = self._host_lists(tree, tree.scores, tree.depths, accept_nodes)
-        batch_scores, batch_depths, batch_hits = [], [], []
-        for row_scores, row_depths, row_path, n in zip(scores, depths, path, num):
-            on_path = {int(j) for j in row_path if j >= 0}
-            for j in range(1, n):
-                if row_scores[j] > -math.inf:  # not the grafted lookup nodes: they have no drafter score
-                    batch_scores.append(row_scores[j])
-                    batch_depths.append(row_depths[j])
-                    batch_hits.append(j in on_path)
-        self._learn(batch_scores, batch_depths, batch_hits)
-
-    def _calibrate_unverified(self, tree: Tree, target_first: torch.Tensor) -> None:
-        """A round that verified no draft still tells which depth-1 nodes were right (the
-        target's token after the root): feed those, so a pessimistic calibration can recover."""
-        scores, depths, parents, tokens, num = self._host_lists(tree, tree.scores, tree.depths, tree.parents,
-                                                                tree.tokens)
-        right = target_first.tolist()
-        batch_scores, batch_depths, batch_hits = [], [], []
-        for b, n in enumerate(num):
-            for j in range(1, n):
-                if parents[b][j] == 0:
-                    batch_scores.append(scores[b][j])
-                    batch_depths.append(depths[b][j])
-                    batch_hits.append(tokens[b][j] == right[b])
-        self._learn(batch_scores, batch_depths, batch_hits)
-
-    @staticmethod
-    def _host_lists(tree: Tree, *columns: torch.Tensor) -> list:
-        """``columns`` (each ``[B, N]``) as nested Python lists, then ``tree.num_nodes`` as a
-        list; on a GPU in one transfer (float64 holds every int32 / float32 value exactly)."""
-        if tree.tokens.device.type == "cpu":
-            return [c.tolist() for c in columns] + [tree.num_nodes.tolist()]
-        n = tree.tokens.shape[1]
-        host = torch.cat([c.double() for c in columns] + [tree.num_nodes[:, None].double()], 1).cpu()
-        out = [host[:, i * n:(i + 1) * n].tolist() for i in range(len(columns))]
-        kinds = [c.dtype.is_floating_point for c in columns]
-        out = [rows if floating else [[int(v) for v in row] for row in rows] for rows, floating in zip(out, kinds)]
-        return out + [[int(v) for v in host[:, -1].tolist()]]
-
-    def _learn(self, scores: list[float], depths: list[int], hits: list[bool]) -> None:
-        """The checked draft nodes' scores, depths (>= 1) and whether each was accepted, to the
-        calibrator (and, ``estimator="adaptive"``, to the call's level, against what the
-        calibration predicted for them before this round)."""
-        if not scores:
-            return
-        if self.estimator == "adaptive":
-            predicted = self.calibrator.predict_list(scores, depths)
-            self._level.update(np.asarray(predicted, dtype=np.float64), np.asarray(depths, dtype=np.int64),
-                               np.asarray(hits, dtype=np.float64))
-        self.calibrator.update_list(scores, hits, depths)
-
     def _new_cache(self):
         from transformers import DynamicCache
         return DynamicCache(config=self.target.config)

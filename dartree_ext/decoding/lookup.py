@@ -352,3 +352,9 @@ class CorpusIndex:
             pattern.append(tok)
             lo, hi = self._range(pattern, lo, hi)
         return out, n
+
+
+def new_nodes(added: Sequence[int]) -> list[bool]:
+    """Whether each continuation token is a new node, from :class:`ChainGraft`'s cumulative
+    counts of the nodes its first ``d + 1`` tokens add."""
+    return [a > (added[d - 1] if d else 0) for d, a in enumerate(added)]
