@@ -43,6 +43,7 @@ from .cache import compact_cache_, crop_cache_, select_requests_
 from .config import CORPUS_OFF, ESTIMATORS, DecodingConfig, DecodingConfigWarning, resolve  # noqa: F401
 from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator, cached_cost_model
 from .sizing import AutoBudget, FixedBudget, RunningCosts
+from .stopping import emit
 from .eagle import StopRule, eagle3_draft
 from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats, new_nodes
 from .trees import BUILDERS, TreeRequest, chain_tree, plain_tree, top1_chain
@@ -357,17 +358,7 @@ class _Run:
     def emit(self, req: int, tokens: list[int]) -> str:
         """Append ``tokens`` to request ``req`` up to where it ends; why it ended ("" if not)."""
         rs, out = self.stats.requests[req], self.generated[req]
-        done = ""
-        for tok in tokens:
-            out.append(tok)
-            if tok in self.stop:
-                done = "stop"
-            elif len(out) >= self.max_new_tokens:
-                done = "length"
-            elif self.max_pos is not None and rs.prompt_tokens + len(out) >= self.max_pos:
-                done = "context"
-            if done:
-                break
+        done = emit(out, tokens, self.stop, self.max_new_tokens, self.max_pos, rs.prompt_tokens)
         if self.index is not None:
             self.index[req].extend(out[rs.new_tokens:])
         rs.new_tokens = len(out)

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from ..tree import Tree, prune
-from .cost import AcceptanceLevel, CostModel, DepthCalibrator, choose_size, next_backoff, running_average
+from .cost import AcceptanceLevel, CostModel, DepthCalibrator, choose_size, running_average
 from .lookup import LookupStats, new_nodes
+from .stopping import Backoff
 from .trees import plain_tree
 
 RUNNING_WEIGHT = 0.2  # a new round's weight in the running costs
@@ -78,7 +79,7 @@ class AutoBudget:
         self.costs = RunningCosts() if costs is None else costs
         self.lookup_stats = LookupStats() if lookup_stats is None else lookup_stats
         self.level = AcceptanceLevel()  # estimator="adaptive"
-        self.skip = self.backoff = 0
+        self.pause = Backoff()  # the drafter's rest after plain steps
         self.recent_depths: list[int] = []
         self.recent_sizes: list[int] = []
         self.chosen_expected = 0.0  # E[accepted] of the round's chosen nodes (graft included)
@@ -244,10 +245,9 @@ class AutoBudget:
         no tree pays; the drafter rests 1, 2, 4, ... rounds)."""
         tree, chosen = self.choose_tree(tree, context, accept_prob)
         if chosen == 0:
-            self.backoff = next_backoff(self.backoff)
-            self.skip = self.backoff
+            self.pause.lost()
         else:
-            self.backoff = 0  # record() keeps the verified tree's depth
+            self.pause.paid()  # record() keeps the verified tree's depth
         return tree, chosen
 
     def record(self, chosen: int, deepest: int) -> None:
@@ -258,10 +258,21 @@ class AutoBudget:
 
     def rests(self) -> bool:
         """Whether the drafter rests this round (the back-off after a plain step)."""
-        if self.skip:
-            self.skip -= 1
-            return True
-        return False
+        return self.pause.rests()
+
+    @property
+    def skip(self) -> int:
+        """Rounds the drafter still rests."""
+        return self.pause.skip
+
+    @property
+    def backoff(self) -> int:
+        """The current rest's length (0: the last drafted round paid)."""
+        return self.pause.backoff
+
+    @backoff.setter
+    def backoff(self, value: int) -> None:
+        self.pause.backoff = value
 
     def calibrate(self, tree: Tree, accept_nodes: torch.Tensor) -> None:
         """Feed the verified draft nodes (accepted or not) to the calibrator."""

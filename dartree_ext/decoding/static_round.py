@@ -39,7 +39,8 @@ from ..models.drafter import BlockDrafter
 from ..tree import build_dartree
 from .cache import cache_layers
 from .config import COMPILED, TREE_DEFAULTS, DecodingConfig, resolve
-from .cost import next_backoff, running_average
+from .cost import running_average
+from .stopping import Backoff, emit
 from .hf import additive_mask, text_config
 
 
@@ -327,12 +328,9 @@ class StaticRound(torch.nn.Module):
             counts["round" if kind == "round" else "plain"] += 1
             for b in live:
                 calls[b] += 1
-                for tok in host[b][1:1 + host[b][0]]:
-                    out[b].append(tok)
-                    if len(out[b]) >= max_new_tokens or tok in stops:
-                        done[b] = True
-                        self.live[b] = False  # its caches stay; it no longer moves the write slot
-                        break
+                if emit(out[b], host[b][1:1 + host[b][0]], stops, max_new_tokens):
+                    done[b] = True
+                    self.live[b] = False  # its caches stay; it no longer moves the write slot
             live_lengths = [host[b][-1] for b in range(len(host)) if not done[b]]
             if live_lengths and len(live_lengths) < len(live):  # a row finished: the write slot follows the rest
                 self.write.fill_(max(live_lengths))
@@ -356,13 +354,15 @@ class _Pacer:
         self.tokens: float | None = None
         self.round_s: float | None = None
         self.plain_s: float | None = None
-        self.rounds = self.skip = self.backoff = 0
+        self.rounds = 0
+        self.pause = Backoff()
+
+    @property
+    def backoff(self) -> int:
+        return self.pause.backoff
 
     def round_next(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
+        return not self.pause.rests()
 
     def observe(self, was_round: bool, tokens: float, seconds: float) -> None:
         if not was_round:
@@ -372,12 +372,11 @@ class _Pacer:
         self.tokens = running_average(self.tokens, tokens, self.TOKENS_WEIGHT)
         self.round_s = running_average(self.round_s, seconds, self.TIME_WEIGHT)
         if self.plain_s is None:
-            self.skip = 1  # measure a plain step once
+            self.pause.skip = 1  # measure a plain step once
         elif self.rounds >= self.MIN_ROUNDS and self.tokens / self.round_s < 1.0 / self.plain_s:
-            self.backoff = next_backoff(self.backoff)
-            self.skip = self.backoff
+            self.pause.lost()
         else:
-            self.backoff = 0
+            self.pause.paid()
 
 
 def _unguarded(fn, args: tuple):
