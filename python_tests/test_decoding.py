@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
-from dartree_ext.decoding.decoder import _DraftQ  # noqa: E402
+from dartree_ext.decoding.sampled import DraftQ as _DraftQ, children_and_q, sampled_chain  # noqa: E402
 from dartree_ext.tree import Tree  # noqa: E402
 
 from dartree_ext.models import LookupDrafter as OracleDrafter  # noqa: E402
@@ -303,13 +303,13 @@ def test_children_and_q_follow_a_cut_chain():
     depths = torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1], [0, 1, 2, 3, 4]], dtype=torch.int32)
     tree = Tree(tokens=tokens, parents=parents, depths=depths, scores=torch.zeros(3, 5),
                 num_nodes=torch.tensor([4, 2, 1], dtype=torch.int32))
-    child, rows = SpeculativeDecoder._children_and_q(tree, _DraftQ(q), 6)
+    child, rows = children_and_q(tree, _DraftQ(q), 6)
     assert child.tolist() == [[1, 2, 3, -1, -1], [5, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]
     for b, d in [(0, 0), (0, 1), (0, 2), (1, 0)]:  # node d's child sits at depth d + 1: q row d
         assert torch.equal(rows[b, d], q[b, d])
     # a draft vocabulary: each row spread over the target's 10 tokens at its target ids, 0 elsewhere
     vocab = torch.tensor([9, 1, 2, 3, 4, 5])
-    _, spread = SpeculativeDecoder._children_and_q(tree, _DraftQ(q, vocab), 10)
+    _, spread = children_and_q(tree, _DraftQ(q, vocab), 10)
     assert spread.shape == (3, 5, 10)
     for b, d in [(0, 0), (0, 2), (1, 0)]:
         assert torch.equal(spread[b, d, vocab], q[b, d])
@@ -328,7 +328,7 @@ def test_sampled_draft_cut_does_not_look_at_the_drawn_tokens(setup):
                              cost_model=CostModel.from_curve({0: 10.0, 4: 10.2, 8: 12.0, 15: 30.0}))
     base_logits = 4 * torch.randn(4, 15, 97, generator=torch.Generator().manual_seed(3))
     root = torch.tensor([1, 2, 3, 4])
-    trees = [dec._sampled_chain(base_logits, root, None, {"temperature": 1.0, "generator": torch.Generator().manual_seed(s)})[0]
+    trees = [sampled_chain(base_logits, root, None, {"temperature": 1.0, "generator": torch.Generator().manual_seed(s)})[0]
              for s in (0, 1)]
     assert not torch.equal(trees[0].tokens, trees[1].tokens)
     assert torch.equal(trees[0].scores, trees[1].scores)
@@ -457,7 +457,7 @@ def test_early_exit_cuts_each_chain_row_on_its_own(setup):
 
     dec = SpeculativeDecoder(target, _with_vh_bias(drafter, 0.7), "chain", budget=64, early_exit=0.6)
     from dartree_ext.models.drafter import DraftOutput
-    from dartree_ext.decoding.decoder import _Batch, _Run
+    from dartree_ext.decoding.state import Batch as _Batch, Session as _Run
     rows, depth = 3, 5
     draft = DraftOutput(hidden=torch.zeros(rows, depth, 4), base_logits=torch.randn(rows, depth, 97),
                         accept_prob=torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.4], [0.7, 0.3, 0.9, 0.9, 0.9],

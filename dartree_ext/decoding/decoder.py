@@ -25,7 +25,6 @@ import inspect
 import logging
 import time
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from typing import Iterable
 
@@ -36,121 +35,25 @@ from ..linear import linear_as
 from ..models import BlockDrafter
 from ..models.drafter import DraftOutput
 from ..models.eagle3 import Eagle3Drafter
-from ..sampling import sample_from_probs, speculative_tokens, target_tokens_from_logits
+from ..sampling import speculative_tokens, target_tokens_from_logits
 from ..tree import Tree, prune
-from .hf import additive_mask, text_config
-from .cache import compact_cache_, crop_cache_, select_requests_
-from .config import CORPUS_OFF, ESTIMATORS, DecodingConfig, DecodingConfigWarning, resolve  # noqa: F401
+from .cache import compact_cache_, crop_cache_
+from .config import CORPUS_OFF, DecodingConfig, DecodingConfigWarning, resolve
 from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator, cached_cost_model
-from .sizing import AutoBudget, FixedBudget, RunningCosts
-from .stopping import emit
 from .eagle import StopRule, eagle3_draft
-from .lookup import ChainGraft, ContextIndex, CorpusIndex, LookupStats, new_nodes
-from .trees import BUILDERS, TreeRequest, chain_tree, plain_tree, top1_chain
-from .methods import (ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, METHODS,  # noqa: F401 (re-exported)
-                      Method, method as method_entry)
+from .hf import additive_mask, cache_length, check_prompts, new_cache
+from .lookup import ChainGraft, CorpusIndex, LookupStats, new_nodes
+from .methods import Method, method as method_entry
+from .methods import ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, METHODS  # noqa: F401 (re-exported)
+from .sampled import DraftQ, children_and_q, sampled_chain  # noqa: F401 (DraftQ re-exported)
+from .sizing import AutoBudget, FixedBudget, RunningCosts
+from .state import (PHASES, Batch, DecodingStats, GenerationOutput, RequestStats,  # noqa: F401 (re-exported)
+                    Session, Verdict)
+from .trees import BUILDERS, TreeRequest, plain_tree
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_PRIOR_TRIALS = 32.0
-PHASES = ("prefill", "draft", "tree", "verify", "bookkeeping")
-
-
-@dataclasses.dataclass
-class RequestStats:
-    """One request: ``accepted[r]`` = draft tokens accepted in round r (tau_r = that + 1)."""
-
-    prompt_tokens: int
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    new_tokens: int = 0
-    finish_reason: str = ""
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per round (accepted + bonus), averaged over this request's rounds."""
-        return (sum(self.accepted) / len(self.accepted) + 1.0) if self.accepted else 0.0
-
-
-@dataclasses.dataclass
-class DecodingStats:
-    """Acceptance and time of one ``generate`` call."""
-
-    method: str
-    requests: list[RequestStats]
-    time: dict[str, float]                  # seconds per phase (PHASES)
-    tree_nodes: list[int] = dataclasses.field(default_factory=list)   # draft nodes per verified tree
-    nodes_per_depth: Counter = dataclasses.field(default_factory=Counter)
-    plain_rounds: int = 0                   # budget="auto": rounds verified without a draft (n = 0)
-    # budget="auto", over the rounds that verified draft nodes: what the chooser predicted
-    # (tokens: rows + E[accepted]; ms: the cost model's round plus the measured overhead) and
-    # what the rounds gave and took
-    auto_rounds: int = 0                    # batch rounds (all rows verify together)
-    predicted_tokens: float = 0.0
-    predicted_ms: float = 0.0
-    measured_tokens: int = 0
-    measured_ms: float = 0.0
-    lookup_rounds: int = 0                  # rows x rounds that verified a context-lookup continuation
-    lookup_accepted: int = 0                # tokens accepted along those continuations
-    corpus_rounds: int = 0                  # of lookup_rounds: continuations taken from the corpus
-    corpus_accepted: int = 0                # of lookup_accepted: tokens accepted along those
-
-    @property
-    def rounds(self) -> int:
-        return sum(r.rounds for r in self.requests)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per round over all rounds of all requests (micro average)."""
-        rounds = self.rounds
-        return (sum(sum(r.accepted) for r in self.requests) / rounds + 1.0) if rounds else 0.0
-
-    @property
-    def tau_macro(self) -> float:
-        """Mean over requests of each request's tau."""
-        taus = [r.tau for r in self.requests if r.rounds]
-        return sum(taus) / len(taus) if taus else 0.0
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(r.new_tokens for r in self.requests)
-
-    @property
-    def total_time(self) -> float:
-        return sum(self.time.values())
-
-    def accept_histogram(self) -> list[int]:
-        """``h[a]`` = rounds that accepted exactly ``a`` draft tokens."""
-        counts = Counter(a for r in self.requests for a in r.accepted)
-        top = max(counts, default=-1)
-        return [counts.get(a, 0) for a in range(top + 1)]
-
-    def summary(self) -> dict:
-        total = self.total_time
-        return {
-            "method": self.method, "requests": len(self.requests), "rounds": self.rounds,
-            "new_tokens": self.new_tokens, "tau": round(self.tau, 4), "tau_macro": round(self.tau_macro, 4),
-            "mean_tree_nodes": round(sum(self.tree_nodes) / len(self.tree_nodes), 2) if self.tree_nodes else 0.0,
-            "time_s": round(total, 4),
-            "time_per_token_ms": round(1e3 * total / max(1, self.new_tokens), 4),
-            "time_split": {k: round(v / total, 4) if total else 0.0 for k, v in self.time.items()},
-            "accept_histogram": self.accept_histogram(),
-            "plain_rounds": self.plain_rounds,
-            "auto_check": {"rounds": self.auto_rounds, "predicted_tokens": round(self.predicted_tokens, 2),
-                           "measured_tokens": self.measured_tokens, "predicted_ms": round(self.predicted_ms, 2),
-                           "measured_ms": round(self.measured_ms, 2)} if self.auto_rounds else None,
-            "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
-            "corpus_rounds": self.corpus_rounds, "corpus_accepted": self.corpus_accepted,
-        }
-
-
-@dataclasses.dataclass
-class GenerationOutput:
-    sequences: torch.Tensor  # int64[B, prompt + generated], as HF ``generate`` returns them
-    stats: DecodingStats
 
 
 def left_pad(prompts, pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,267 +97,45 @@ def _check_drafter_kind(spec: Method, drafter, width, K: int) -> None:
                              f"nodes a round; the tree ops take at most {ops.MAX_TREE_NODES}: lower width or K")
 
 
-@dataclasses.dataclass
-class _DraftQ:
-    """``sampled_draft``: the distributions a chain's tokens were drawn from, ``q float32[B, D, V']``
-    (row ``d``: depth ``d + 1``), over the draft vocabulary ``vocab int64[V']`` (its target ids;
-    ``None``: the target's vocabulary). Spread over the target's vocabulary only for the nodes
-    verified (:meth:`SpeculativeDecoder._children_and_q`)."""
-    q: torch.Tensor
-    vocab: torch.Tensor | None = None
-
-
 def _leading_at_least(prob: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per row of ``prob [B, D]``, how many leading positions have ``prob >= threshold``."""
     return (prob >= threshold).int().cumprod(1).sum(1)
 
 
-@dataclasses.dataclass
-class _Verdict:
-    """What verifying one round's trees decided, per row."""
-
-    accept_nodes: torch.Tensor  # int32[B, N]: the accepted path's node indices (root first, -1 after)
-    accept_len: torch.Tensor    # int32[B]: accepted draft tokens
-    bonus: torch.Tensor         # int64[B]: the target's token after the path (the next root)
-    target_tokens: torch.Tensor  # int64[B, N]: the target's token after every node
-    hidden_states: tuple | None  # the target's hidden states over the tree (for the drafter's context)
-    # host copies, fetched in one transfer: accepted draft tokens, bonus token, draft nodes, the
-    # tokens along each row's accepted path (root first) and every node's depth
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    bonus_tokens: list[int] = dataclasses.field(default_factory=list)
-    sizes: list[int] = dataclasses.field(default_factory=list)
-    paths: list[list[int]] = dataclasses.field(default_factory=list)
-    depths: list[list[int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Batch:
-    """The unfinished requests of one ``generate`` call, a row each, and their cache.
-
-    Slot ``j`` of row ``b`` holds a committed token for ``pad[b] <= j < length[b]``; ``root[b]``
-    (the last committed token) is not in the cache yet."""
-
-    active: torch.Tensor     # int64[R]: the request of each row
-    pad: torch.Tensor        # int64[R]: left padding
-    length: torch.Tensor     # int64[R]: cache slots in use (pad included)
-    root: torch.Tensor       # int64[R]
-    cache: object            # the target's KV cache (transformers Cache)
-    host_length: list[int] = dataclasses.field(default_factory=list)  # ``length`` on the host
-    context: torch.Tensor | None = None  # [R, S, H]: the drafter's context, slot by slot
-    context_kv: list[torch.Tensor] | None = None  # per drafter layer, its keys/values of ``context``
-    # committed slots whose context vectors are not made yet (stage_context: while the drafter
-    # rests, the target's features wait here and are projected in one batch before it drafts)
-    pending: list[tuple] = dataclasses.field(default_factory=list)
-    # the current round's view of the cache (begin_round) and its results
-    cache_len: int = 0
-    past_valid: torch.Tensor | None = None  # bool[R, cache_len]: committed slots
-    position: torch.Tensor | None = None    # int64[R]: the root's position
-    full_tree: Tree | None = None           # budget="auto": the tree before it was cut
-    # lookup: per row, the continuation grafted this round and the length of the n-gram it matched
-    chains: list[list[int]] | None = None
-    ngrams: list[int] | None = None
-    drafted: list[int] | None = None  # per row, the nodes before the graft (the drafter's)
-    chain_new: list[list[bool]] | None = None  # per row, which continuation tokens are new nodes
-    chain_stats: list[LookupStats] | None = None  # per row, the statistics of its continuation's source
-
-    @property
-    def rows(self) -> int:
-        return int(self.active.numel())
-
-    def begin_round(self, cache_slots: int) -> None:
-        self.cache_len = max(max(self.host_length), cache_slots)
-        slot = torch.arange(self.cache_len, device=self.length.device)
-        self.past_valid = (slot[None] >= self.pad[:, None]) & (slot[None] < self.length[:, None])
-        self.position = self.length - self.pad
-        self.full_tree = None
-        self.chains = self.ngrams = self.drafted = self.chain_new = self.chain_stats = None
-        self.draft_q = None  # sampled_draft: the round's chain distributions (_DraftQ)
-
-    def stage_context(self, features: torch.Tensor, next_tokens: torch.Tensor | None,
-                      in_path: torch.Tensor | None) -> None:
-        """Queue the target's ``features [R, W, F]`` of the slots ``length ..`` (where ``in_path``;
-        ``None``: the first slot of every row;
-        ``next_tokens [R, W]`` for an EAGLE-3 drafter) until :meth:`SpeculativeDecoder._flush_context`
-        turns them into context vectors: a row and slot, the position and the feature per slot."""
-        if in_path is None:  # one slot a row
-            self.pending.append((torch.arange(self.rows, device=features.device), self.length, self.length - self.pad,
-                                 features[:, 0], None if next_tokens is None else next_tokens[:, 0]))
-            return
-        rows, width = in_path.shape
-        steps = torch.arange(width, device=features.device)[None]
-        dst = (self.length[:, None] + steps)[in_path]
-        pos = ((self.length - self.pad)[:, None] + steps)[in_path]
-        row = torch.arange(rows, device=features.device)[:, None].expand(-1, width)[in_path]
-        self.pending.append((row, dst, pos, features[in_path], None if next_tokens is None else next_tokens[in_path]))
-
-    def write_context(self, row: torch.Tensor, dst: torch.Tensor, vectors: torch.Tensor,
-                      kv: list[torch.Tensor]) -> None:
-        """Write context ``vectors [N, H]`` (and each drafter layer's keys/values ``[N, ...]``) at
-        slots ``(row, dst)``. The buffers grow by half their size at a time (readers slice them to
-        the round's cache length), not by a copy every round."""
-        need = max(self.host_length)
-        slots = [self.context] + (self.context_kv or [])
-        if need > self.context.shape[1]:
-            size = max(need, self.context.shape[1] + max(64, self.context.shape[1] // 2))
-            slots = [torch.cat([old, old.new_zeros((old.shape[0], size - old.shape[1]) + tuple(old.shape[2:]))], 1)
-                     for old in slots]
-        for old, add in zip(slots, [vectors] + kv):
-            old[row, dst] = add.to(old.dtype)
-        self.context = slots[0]
-        if self.context_kv is not None:
-            self.context_kv = slots[1:]
-
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep only the rows ``idx`` (int64), in the cache too."""
-        if self.pending:  # the kept rows' queued slots, renumbered
-            renumber = torch.full((self.rows,), -1, dtype=torch.int64, device=idx.device)
-            renumber[idx] = torch.arange(idx.numel(), device=idx.device)
-            kept = []
-            for row, *rest in self.pending:
-                new = renumber[row]
-                live = new >= 0
-                kept.append((new[live], *(None if t is None else t[live] for t in rest)))
-            self.pending = kept
-        self.active, self.pad, self.length, self.root = self.active[idx], self.pad[idx], self.length[idx], self.root[idx]
-        self.host_length = [self.host_length[i] for i in idx.tolist()]
-        if self.context is not None:
-            self.context = self.context[idx]
-        if self.context_kv is not None:
-            self.context_kv = [kv[idx] for kv in self.context_kv]
-        if idx.numel():
-            select_requests_(self.cache, idx)
-
-
-class _Run:
-    """One ``generate`` call's settings, output tokens, stats and phase clock."""
-
-    def __init__(self, decoder: "SpeculativeDecoder", prompts: list[torch.Tensor], max_new_tokens: int,
-                 stop: set[int], sampling: dict, sizing=None) -> None:
-        target = decoder.target
-        self.device = prompts[0].device
-        self.dtype = next(target.parameters()).dtype
-        self.drafting = decoder.drafter is not None and decoder.spec.drafts
-        self.pad_id = decoder._pad_token_id()
-        self.max_new_tokens, self.stop, self.sampling = max_new_tokens, stop, sampling
-        self.sizing = decoder.sizing if sizing is None else sizing  # the call's AutoBudget or FixedBudget
-        self.max_pos = int(getattr(text_config(target), "max_position_embeddings", 0) or 0) or None
-        self.generated: list[list[int]] = [[] for _ in prompts]
-        # lookup: every request's prompt and output so far, indexed by n-gram
-        self.index = [ContextIndex(p.tolist()) for p in prompts] if decoder.lookup else None
-        self.stats = DecodingStats(decoder.method, [RequestStats(int(p.numel())) for p in prompts],
-                                   {p: 0.0 for p in PHASES})
-        self._sync = decoder.sync_timing and self.device.type == "cuda"
-        self._clock = time.perf_counter()
-
-    def tick(self, phase: str) -> float:
-        """Charge the time since the last tick to ``phase``."""
-        if self._sync:
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.stats.time[phase] += now - self._clock
-        self._clock = now
-        return now
-
-    def emit(self, req: int, tokens: list[int]) -> str:
-        """Append ``tokens`` to request ``req`` up to where it ends; why it ended ("" if not)."""
-        rs, out = self.stats.requests[req], self.generated[req]
-        done = emit(out, tokens, self.stop, self.max_new_tokens, self.max_pos, rs.prompt_tokens)
-        if self.index is not None:
-            self.index[req].extend(out[rs.new_tokens:])
-        rs.new_tokens = len(out)
-        return done
-
-    def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
-        width = max(len(g) for g in self.generated)
-        tail = torch.full((len(self.generated), width), self.pad_id, dtype=torch.int64, device=self.device)
-        for b, g in enumerate(self.generated):
-            tail[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
-        return torch.cat([input_ids.to(self.device), tail], 1)
-
-
 class SpeculativeDecoder:
-    """Speculative decoding of ``target`` with ``drafter`` by ``method`` (see :data:`METHODS`).
+    """Speculative decoding of ``target`` with ``drafter`` by ``method`` (one of
+    :data:`~dartree_ext.decoding.methods.REGISTRY`'s entries; :data:`METHODS` take a block
+    drafter or none, :data:`EAGLE3_METHODS` an :class:`~dartree_ext.models.eagle3.Eagle3Drafter`).
 
     The settings are those of :class:`~dartree_ext.decoding.config.DecodingConfig` (``None``:
-    the method's default; :meth:`from_config` takes a config): they are resolved by
-    :func:`~dartree_ext.decoding.config.resolve`, which fills the defaults and reports, with a
-    :class:`~dartree_ext.decoding.config.DecodingConfigWarning` naming it, each setting given
-    that the method does not read, or refuses it. The default budget is ``"auto"``
-    (:data:`~dartree_ext.decoding.config.DEFAULT_BUDGET`; ``seq_heap``, which cannot be sized,
-    builds 64 nodes); ``width`` 12, ``K`` 64, ``depth_bonus`` -0.2, ``max_budget`` 64.
+    the method's default; :meth:`from_config` takes a config), resolved by
+    :func:`~dartree_ext.decoding.config.resolve`, which fills the defaults and reports each
+    setting given that the method does not read (a
+    :class:`~dartree_ext.decoding.config.DecodingConfigWarning` naming it) or refuses it. The
+    default budget is ``"auto"``; ``width`` 12, ``K`` 64, ``depth_bonus`` -0.2, ``max_budget`` 64.
 
-    ``budget`` = draft nodes per tree (B, root excluded) for ``ddtree``, ``dartree``,
-    ``dartree_fixed`` (``budget // depth`` per depth) and ``seq_heap``; ``width`` = W, the
-    children kept per depth by ``dartree`` (or per-depth widths ``(w1, w2, ...)``, the last
-    repeating: :func:`~dartree_ext.tree.depth_widths`); ``K`` = candidates per position;
-    ``depth_bonus`` = beta (<= 0 keeps the pruned tree exactly the best-first heap's).
+    * ``budget`` = draft nodes per tree (B, root excluded) for ``ddtree``, ``dartree``,
+      ``dartree_fixed`` (``budget // depth`` per depth), ``seq_heap`` and the EAGLE-3 methods;
+      ``width`` = W, kept per depth by ``dartree`` (or per-depth widths ``(w1, w2, ...)``), the
+      frontier per step of the EAGLE-3 methods; ``K`` = candidates per position; ``depth_bonus``
+      = beta.
+    * ``budget="auto"``: each round's tree cut to the size that pays under ``cost_model``
+      (measured once per machine, model and dtype and cached when not given), node acceptance
+      from ``calibrator`` (default: per depth, from the drafter's ``calibration.json``), a plain
+      step and a back-off when no tree pays (:class:`~dartree_ext.decoding.sizing.AutoBudget`).
+    * ``early_exit=p``: draft up to the verification head's predicted first rejection
+      (``eagle3_vh``: 0.5, or a :data:`~dartree_ext.decoding.eagle.StopRule`); ``estimator``
+      ``"score"`` / ``"adaptive"`` / ``"vh"``: where ``budget="auto"`` reads node acceptance.
+    * ``lookup=L``: up to ``L`` tokens of the request's own context (or of ``corpus``, a
+      :class:`~dartree_ext.decoding.lookup.CorpusIndex`, at T = 0 unless ``corpus_sampling``)
+      grafted into every tree as one more branch; method ``lookup`` is that branch alone.
+    * ``sampled_draft=True`` (``chain``, T > 0): the chain drawn from the drafter, verified by
+      speculative sampling (:mod:`~dartree_ext.decoding.sampled`).
 
-    ``budget="auto"`` (methods in :data:`AUTO_METHODS`) sizes every round's tree to the machine:
-    the tree is built at ``max_budget`` nodes (the chain at its full length), each node's
-    acceptance probability is read off its score by an :class:`~dartree_ext.decoding.cost.AcceptanceCalibrator`
-    updated from every verified round, and the best ``n`` nodes are kept with ``n`` maximising
-    ``(1 + E[accepted(n)]) / (t_draft + t_tree + t_verify(n))`` under ``cost_model`` (measured
-    once per machine, model and dtype and cached on disk when not given:
-    :func:`~dartree_ext.decoding.cost.cached_cost_model`). ``n = 0`` verifies the root alone (a
-    plain decoding step); after such a round the drafter is skipped for 1, 2, 4, ... rounds (at
-    most 16) before it is tried again; that probe drafts at most 4 positions and builds at most
-    16 nodes (a cheap question: does any tree pay now?). After 4 rounds the tree is built for at
-    most twice the largest size chosen lately plus 4 nodes (:meth:`AutoBudget.build_cap <dartree_ext.decoding.sizing.AutoBudget.build_cap>`: the same best
-    nodes, less expansion work).
-
-    The drafter's verification head (VAT), which predicts per drafted position the probability
-    that it and every position before it are accepted, is used two ways:
-
-    * ``early_exit=p`` drafts only up to the predicted first rejection: the positions before the
-      first one predicted below ``p`` (the VAT paper uses 0.6 for a block drafter). Chains are cut
-      per row; a tree's depth is cut at the deepest row's cut. A round where no row keeps a
-      position is a plain step.
-    * ``estimator="vh"`` (with ``budget="auto"``) takes node acceptance probabilities from the
-      head instead of the calibrated tree scores: a node at depth d gets ``P_vh(d)`` times its path
-      probability relative to the best node at that depth. ``estimator="score"`` (the default)
-      is the calibrated score; ``estimator="adaptive"`` is the calibrated score scaled per depth
-      by a factor fitted to the call's recent rounds
-      (:class:`~dartree_ext.decoding.cost.AcceptanceLevel`), for prompts the calibration did not
-      see.
-
-    ``lookup=L`` (any method but ``ar``) adds to every round's tree, as one more branch, up to
-    ``L`` tokens copied from the request's own context: what followed the latest earlier
-    occurrence of its last (up to 4) tokens (:mod:`~dartree_ext.decoding.lookup`). The branch
-    shares the nodes the drafter already proposed; rounds the back-off leaves without a draft
-    still verify it. With ``budget="auto"`` it is cut where one more token's expected acceptance
-    (learned online per matched n-gram length and depth) no longer pays for its verification
-    cost. Method ``lookup`` is this branch alone, without a drafter (prompt-lookup decoding).
-    ``lookup=None`` (the default) is :data:`~dartree_ext.decoding.config.DEFAULT_LOOKUP` (10) for method ``lookup`` and with
-    ``budget="auto"``, else 0 (fixed budgets are the papers' trees, exactly ``budget`` nodes).
-    ``corpus`` (a :class:`~dartree_ext.decoding.lookup.CorpusIndex` over the target's own earlier
-    outputs, e.g. the shipped drafter's ``corpus.npz``) gives the branch a second source: each
-    row takes, each round, whichever of the context's and the corpus's continuations its own
-    learned statistics expect to give more tokens (retrieval drafting, as REST does); it needs
-    ``lookup`` >= 1 and is ignored without it. It is consulted at T = 0 only unless
-    ``corpus_sampling=True``: a sampled answer follows the corpus too rarely to pay for the lookups
-    (``docs/results/corpus_lookup_zen4.md``).
-
-    ``sampled_draft=True`` (method ``chain``, T > 0) draws each depth's token from the drafter's
-    tempered distribution instead of taking its top-1, and accepts it by speculative sampling
-    (:func:`~dartree_ext.sampling.speculative_tokens`): lossless, accepted at ``1 - TV(p, q)``
-    per depth. It helps a long chain on spread-out text and does not beat the top-1 chain under
-    ``budget="auto"`` with the shipped drafter (``docs/results/sampled_acceptance_zen4.md``), so
-    it is off by default. ``budget="auto"`` cuts a sampled chain by the top-1 chain's scores,
-    never by the drawn tokens (that would bias the output); at
-    T = 0 the chain is the greedy one either way, and no context-lookup branch is grafted onto a
-    sampled chain (a node would have two children).
-
-    ``eagle3`` and ``eagle3_vh`` (:data:`EAGLE3_METHODS`) take an
-    :class:`~dartree_ext.models.eagle3.Eagle3Drafter` and grow an EAGLE-2-style dynamic tree over
-    its ``num_steps`` steps: each step expands the ``width`` best frontier nodes (cumulative
-    drafter log-probability) with their ``min(K, width)`` most probable children; all drafted
-    nodes are then reranked to ``budget`` (:mod:`~dartree_ext.decoding.eagle`); with
-    ``budget="auto"``, to ``max_budget``, then cut by the chooser as above, and a round drafts
-    only 2 steps deeper than its recent trees went (:meth:`AutoBudget.draft_positions <dartree_ext.decoding.sizing.AutoBudget.draft_positions>`). ``eagle3_vh``
-    stops a row's drafting at the verification head's predicted first rejection (``early_exit``,
-    default 0.5), cutting its tree's depth there; its ``early_exit`` may
-    also be a stop rule (:data:`~dartree_ext.decoding.eagle.StopRule`, e.g. an oracle that knows
-    the target's output), which only changes where drafting stops, so decoding stays lossless.
+    Per-call state lives in the call's :class:`~dartree_ext.decoding.state.Session`; the decoder
+    keeps what outlives a call (calibrators, lookup statistics, the cost model's running
+    corrections) and, for inspection, the latest call's sizing (:attr:`sizing`). The detail of
+    every setting: ``docs/decoding.md``.
     """
 
     def __init__(self, target: torch.nn.Module, drafter: BlockDrafter | Eagle3Drafter | None = None,
@@ -503,7 +184,6 @@ class SpeculativeDecoder:
         self.corpus = corpus if config.corpus != CORPUS_OFF else None  # (a corpus continuation is a lookup branch)
         self.corpus_sampling = config.corpus_sampling
         self._warn_corpus = config.corpus not in ("auto", CORPUS_OFF)  # a corpus the user named
-        self._corpus = self.corpus  # this call's: None at T > 0 unless corpus_sampling
         self._lookup_stats: dict[str, LookupStats] = {}
         self.lookup_stats = self._lookup_stats_for("greedy")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy")
@@ -651,18 +331,19 @@ class SpeculativeDecoder:
         warpers) using ``generator``. Returns ``sequences`` = ``input_ids`` followed by the
         generated tokens (right-padded with the pad token), as HF ``generate`` does, and stats.
         """
-        prompts = self._check_inputs(input_ids, attention_mask, max_new_tokens, temperature)
+        prompts = check_prompts(self.target, input_ids, attention_mask, max_new_tokens, temperature)
         self._ensure_cost_model()
         sizing = self.sizing = self._sizing_for(temperature)
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
-        self._corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
-        if self.corpus is not None and self._corpus is None and self._warn_corpus:
+        corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
+        if self.corpus is not None and corpus is None and self._warn_corpus:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
                           "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
                           stacklevel=2)
-        run = _Run(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
-                   dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator), sizing)
+        run = Session(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
+                      dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator), sizing,
+                      corpus, self.lookup_stats, self.corpus_stats)
         state = self._prefill(run, prompts)
         bar = None
         if progress:
@@ -670,7 +351,7 @@ class SpeculativeDecoder:
             bar = tqdm(total=len(prompts) * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
         while state.rows:
             round_start = time.perf_counter()
-            state.begin_round(self._cache_length(state.cache))
+            state.begin_round(cache_length(state.cache))
             draft = self._draft(run, state)
             tree, chosen = self._tree(run, state, draft)
             rows, width = tree.tokens.shape
@@ -698,43 +379,15 @@ class SpeculativeDecoder:
             bar.close()
         return GenerationOutput(sequences=run.sequences(input_ids), stats=run.stats)
 
-    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, temperature) -> list[torch.Tensor]:
-        """The prompts' token ids (one tensor each, on the target's device), or a ValueError."""
-        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
-            raise ValueError(f"input_ids must be int64[B, L], got {input_ids.dtype}{list(input_ids.shape)}")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        device = next(self.target.parameters()).device
-        input_ids = input_ids.to(device)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids {list(input_ids.shape)}")
-        attention_mask = attention_mask.to(device).bool()
-        prompts = [input_ids[b][attention_mask[b]] for b in range(input_ids.shape[0])]
-        if any(p.numel() == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        text = text_config(self.target)
-        max_pos = int(getattr(text, "max_position_embeddings", 0) or 0) or None
-        longest = max(p.numel() for p in prompts)
-        if max_pos is not None and longest >= max_pos:
-            raise ValueError(f"a prompt has {longest} tokens; the target's context is {max_pos} positions")
-        vocab = int(text.vocab_size)
-        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        return prompts
-
-    def _prefill(self, run: _Run, prompts: list[torch.Tensor]) -> _Batch:
+    def _prefill(self, run: Session, prompts: list[torch.Tensor]) -> Batch:
         """Every prompt but its last token (the first root) into a new cache, left-padded; the
         drafter's context from the prompts' target features."""
         device, batch = run.device, len(prompts)
         prefix = max(p.numel() for p in prompts) - 1
         pad = torch.tensor([prefix - (p.numel() - 1) for p in prompts], dtype=torch.int64, device=device)
-        state = _Batch(active=torch.arange(batch, device=device), pad=pad,
+        state = Batch(active=torch.arange(batch, device=device), pad=pad,
                        length=torch.full((batch,), prefix, dtype=torch.int64, device=device),
-                       root=torch.stack([p[-1] for p in prompts]), cache=self._new_cache(),
+                       root=torch.stack([p[-1] for p in prompts]), cache=new_cache(self.target),
                        host_length=[prefix] * batch)
         if prefix > 0:
             ids = torch.full((batch, prefix), run.pad_id, dtype=torch.int64, device=device)
@@ -762,14 +415,14 @@ class SpeculativeDecoder:
             return self.drafter.project_context(features, next_tokens)
         return self.drafter.project_context(features)
 
-    def _ensure_context(self, state: _Batch) -> None:
+    def _ensure_context(self, state: Batch) -> None:
         """An empty drafter context when there is none yet (a prompt of one token has no prefix)."""
         if state.context is None:
             state.context = self.drafter.empty_context(state.rows)
             if self._context_kv:
                 state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
 
-    def _flush_context(self, state: _Batch) -> None:
+    def _flush_context(self, state: Batch) -> None:
         """The queued slots' context vectors (and keys/values), made in one batch and written."""
         row, dst, pos, feats, nxt = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
                                      for parts in zip(*state.pending))  # one entry (every drafting round): no copy
@@ -779,7 +432,7 @@ class SpeculativeDecoder:
         kv = [t[0] for t in self.drafter.context_kv(vectors, pos[None])] if self._context_kv else []
         state.write_context(row, dst, vectors[0], kv)
 
-    def _draft(self, run: _Run, state: _Batch) -> DraftOutput | Tree | None:
+    def _draft(self, run: Session, state: Batch) -> DraftOutput | Tree | None:
         """The drafter pass from every row's root (``None`` without a drafter, or while a plain
         step's back-off skips it); with the verification head in use, its acceptance
         probabilities too. The EAGLE-3 methods draft their whole dynamic tree here
@@ -808,7 +461,7 @@ class SpeculativeDecoder:
         run.tick("draft")
         return draft
 
-    def _tree(self, run: _Run, state: _Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
+    def _tree(self, run: Session, state: Batch, draft: DraftOutput | None) -> tuple[Tree, int | None]:
         """The round's tree and, with ``budget="auto"``, the draft nodes chosen (0: a plain step);
         with ``lookup``, each row's context continuation grafted in."""
         run.sizing.chosen_expected = 0.0  # choose_tree sets it: E[accepted] of the drafter's chosen nodes
@@ -821,7 +474,7 @@ class SpeculativeDecoder:
             run.tick("tree")
         return tree, chosen
 
-    def _graft_lookup(self, run: _Run, state: _Batch, tree: Tree, chosen: int | None) -> Tree:
+    def _graft_lookup(self, run: Session, state: Batch, tree: Tree, chosen: int | None) -> Tree:
         """``tree`` with every row's context continuation grafted in (:class:`ChainGraft`); with
         ``budget="auto"``, the continuations are cut at the step (the same for every row) that
         maximises expected tokens per ms under the cost model."""
@@ -831,12 +484,12 @@ class SpeculativeDecoder:
             if run.max_pos is not None:
                 room = min(room, run.max_pos - run.stats.requests[req].prompt_tokens - len(run.generated[req]) - 1)
             chain, n = run.index[req].propose(min(self.lookup, room))
-            source = self.lookup_stats
-            if self._corpus is not None:  # the continuation expected to give more tokens
-                other, m = self._corpus.propose(run.index[req].tokens, min(self.lookup, room))
-                if other and sum(self.corpus_stats.path_probs(m, len(other))) > \
-                        (sum(self.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
-                    chain, n, source = other, m, self.corpus_stats
+            source = run.lookup_stats
+            if run.corpus is not None:  # the continuation expected to give more tokens
+                other, m = run.corpus.propose(run.index[req].tokens, min(self.lookup, room))
+                if other and sum(run.corpus_stats.path_probs(m, len(other))) > \
+                        (sum(run.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
+                    chain, n, source = other, m, run.corpus_stats
             chains.append(chain)
             ngrams.append(n)
             sources.append(source)
@@ -850,7 +503,7 @@ class SpeculativeDecoder:
         state.chain_stats = sources
         return graft.tree(steps)
 
-    def _drafted_tree(self, run: _Run, state: _Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
+    def _drafted_tree(self, run: Session, state: Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
         """The drafter's tree (see :meth:`_tree`)."""
         if isinstance(draft, Tree):  # EAGLE-3: every drafted node, reranked to the budget
             tree = prune(draft, self.budget)
@@ -879,7 +532,7 @@ class SpeculativeDecoder:
             prob = None if prob is None else prob[:, :keep]
         cap = run.sizing.build_cap()
         if self.sampled_draft and run.sampling["temperature"] > 0:
-            tree, state.draft_q = self._sampled_chain(base_logits, state.root, vocab, run.sampling)
+            tree, state.draft_q = sampled_chain(base_logits, state.root, vocab, run.sampling)
         else:
             tree = self.build_tree(hidden, base_logits, state.root, vocab, **({} if cap is None else {"cap": cap}))
         if cut is not None and self.spec.chain:  # chains: each row its own cut
@@ -893,53 +546,12 @@ class SpeculativeDecoder:
         return tree, chosen
 
     @staticmethod
-    def _choose(run: _Run, state: _Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
+    def _choose(run: Session, state: Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
         """``budget="auto"``: the call's cut of a drafted tree (the full tree kept for calibration)."""
         state.full_tree = tree
         return run.sizing.choose(tree, state.cache_len, accept_prob)
 
-    def _sampled_chain(self, base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Tensor | None,
-                       sampling: dict) -> tuple[Tree, _DraftQ]:
-        """``sampled_draft`` at T > 0: a chain whose token at each depth is drawn from the drafter's
-        distribution there (``softmax(base_logits / temperature)``, block-parallel, so each
-        depth's distribution is known whatever was drawn before it), and those distributions over
-        the draft vocabulary (:class:`_DraftQ`; :meth:`_verify` accepts each token with
-        :func:`~dartree_ext.sampling.speculative_tokens`).
-
-        Its scores are the top-1 chain's (cumulative log-probability of each depth's most likely
-        token), not the drawn tokens': ``budget="auto"`` cuts the chain by its scores, and a cut
-        that looked at a drawn token would bias what is emitted there (a token drawn from q but
-        verified only when it is a likely one is no longer a draw from q)."""
-        q = torch.softmax(base_logits.float() / sampling["temperature"], -1)
-        drawn = sample_from_probs(q, sampling.get("generator"))
-        _, scores = top1_chain(base_logits)  # depends on the drafter's pass alone
-        if vocab is not None:
-            drawn = vocab.to(drawn.device)[drawn]
-        return chain_tree(root, drawn, scores.to(root.device)), _DraftQ(q, vocab)
-
-    @staticmethod
-    def _children_and_q(tree: Tree, draft_q: _DraftQ, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each node's one child token (-1: none) in a (possibly cut) sampled chain, and the
-        distribution it was drawn from (its depth's row of ``draft_q``) over the target's
-        ``vocab_size`` tokens: ``int64[B, N]``, ``float32[B, N, V]``."""
-        rows, n = tree.tokens.shape
-        node = torch.arange(n, device=tree.tokens.device)[None]
-        live = (node >= 1) & (node < tree.num_nodes[:, None]) & (tree.parents >= 0)
-        slot = torch.where(live, tree.parents.long(), n)  # dead nodes write to a spare column
-        child = torch.full((rows, n + 1), -1, dtype=torch.int64, device=node.device)
-        child.scatter_(1, slot, node.expand(rows, -1).clone())
-        child = child[:, :n]
-        has = child >= 0
-        tokens = torch.where(has, tree.tokens.gather(1, child.clamp(min=0)), -1)
-        depth = tree.depths.gather(1, child.clamp(min=0)).long().clamp(min=1) - 1
-        q = draft_q.q.gather(1, depth[..., None].expand(-1, -1, draft_q.q.shape[-1]))
-        if draft_q.vocab is not None:
-            full = q.new_zeros(rows, n, vocab_size)
-            full[..., draft_q.vocab.to(q.device)] = q
-            q = full
-        return tokens, q
-
-    def _verify(self, run: _Run, state: _Batch, tree: Tree) -> _Verdict:
+    def _verify(self, run: Session, state: Batch, tree: Tree) -> Verdict:
         """One target forward over root + tree (tree-attention mask); the target's token at every
         node; the longest accepted path and the bonus token of every row."""
         mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, state.past_valid, run.dtype)
@@ -947,12 +559,12 @@ class SpeculativeDecoder:
         out = self.target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                           output_hidden_states=run.drafting, **{self._cache_kw: state.cache})
         if state.draft_q is not None and tree.tokens.shape[1] > 1:
-            child, q = self._children_and_q(tree, state.draft_q, out.logits.shape[-1])
+            child, q = children_and_q(tree, state.draft_q, out.logits.shape[-1])
             target_tokens = speculative_tokens(out.logits, child, q, **run.sampling)
         else:
             target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
         accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
-        verdict = _Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
+        verdict = Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
         # everything the host needs from this round, in one device-to-host transfer
         rows, n = tree.tokens.shape
         path = tree.tokens.gather(1, accept_nodes.long().clamp(min=0))
@@ -966,7 +578,7 @@ class SpeculativeDecoder:
         run.tick("verify")
         return verdict
 
-    def _commit(self, run: _Run, state: _Batch, tree: Tree, verdict: _Verdict, chosen: int | None,
+    def _commit(self, run: Session, state: Batch, tree: Tree, verdict: Verdict, chosen: int | None,
                 draft: DraftOutput | None) -> None:
         """The accepted path (root + accepted nodes) enters the cache and the drafter's context;
         the bonus token becomes the next root; the calibrator learns from the verified nodes."""
@@ -1008,7 +620,7 @@ class SpeculativeDecoder:
         state.length = state.length + lengths
         state.root = verdict.bonus
 
-    def _retire(self, run: _Run, state: _Batch, tree: Tree, verdict: _Verdict, chosen: int | None) -> None:
+    def _retire(self, run: Session, state: Batch, tree: Tree, verdict: Verdict, chosen: int | None) -> None:
         """Record the round's tokens and stats per request; drop the rows that are done (stop
         token, ``max_new_tokens``, or the target's context)."""
         stats = run.stats
@@ -1031,7 +643,7 @@ class SpeculativeDecoder:
                     source.update(n, len(chain), got, new)
                     stats.lookup_rounds += 1
                     stats.lookup_accepted += got
-                    if source is not self.lookup_stats:
+                    if source is not run.lookup_stats:
                         stats.corpus_rounds += 1
                         stats.corpus_accepted += got
         keep = []
@@ -1048,23 +660,3 @@ class SpeculativeDecoder:
             state.keep(torch.tensor(keep, dtype=torch.int64, device=run.device))
 
     # helpers --------------------------------------------------------------------------------
-    def _new_cache(self):
-        from transformers import DynamicCache
-        return DynamicCache(config=self.target.config)
-
-    @staticmethod
-    def _cache_length(cache) -> int:
-        layers = getattr(cache, "layers", None)
-        if not layers or getattr(layers[0], "keys", None) is None:
-            return 0
-        return int(layers[0].keys.shape[2])
-
-    def _pad_token_id(self) -> int:
-        for cfg in (getattr(self.target, "generation_config", None), self.target.config):
-            for name in ("pad_token_id", "eos_token_id"):
-                value = getattr(cfg, name, None) if cfg is not None else None
-                if isinstance(value, (list, tuple)):
-                    value = value[0] if value else None
-                if value is not None:
-                    return int(value)
-        return 0
