@@ -32,7 +32,8 @@ import time
 import torch
 
 from dartree_ext.cli import _load_for_generate, build_generate_parser
-from dartree_ext.decoding.cost import CostModel, _curve_samples, _Timer, choose_size, fit_curve, isotonic
+from dartree_ext.decoding.cost import CostModel, choose_size, isotonic
+from dartree_ext.decoding.profiling import _curve_samples, _Timer, fit_curve
 
 PROFILE = (0.0, 0.385, 0.555, 0.676, 0.756, 0.822, 0.87, 0.908, 0.945, 0.979, 1.013, 1.044, 1.074, 1.103, 1.129,
            1.153, 1.173)

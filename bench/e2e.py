@@ -31,7 +31,7 @@ import dartree_ext.attention as attention_module
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
 from dartree_ext.decoding import METHODS, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
-from dartree_ext.decoding.cost import resolve_forward
+from dartree_ext.decoding.profiling import resolve_forward
 from dartree_ext.linear import LINEAR_KINDS
 from dartree_ext.loading import encode_prompt, load_corpus, load_drafter, load_target, stop_tokens
 from dartree_ext.models import LookupDrafter, oracle_stop_rule

@@ -35,7 +35,7 @@ import torch
 
 from dartree_ext import build_info, ops
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
-from dartree_ext.decoding.cost import _drop_last, cpu_bf16_native, device_name, forward_ms
+from dartree_ext.decoding.profiling import _drop_last, cpu_bf16_native, device_name, forward_ms
 from dartree_ext.linear import LINEAR_KINDS, set_linear
 from dartree_ext.loading import load_target
 

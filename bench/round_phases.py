@@ -40,7 +40,7 @@ from dartree_ext.decoding.config import from_args
 import dartree_ext.decoding.sizing as sizing_module
 from dartree_ext.decoding.sizing import AutoBudget
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
-from dartree_ext.decoding.cost import _drop_last
+from dartree_ext.decoding.profiling import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
 
 DECODER_METHODS = ("_draft", "_tree", "_verify", "_commit", "_retire", "build_tree", "_flush_context",

@@ -34,7 +34,7 @@ import torch
 from dartree_ext.cli import _load_for_generate, build_generate_parser, decoder_for
 from dartree_ext.decoding.config import from_args
 from dartree_ext.decoding import StaticRound, left_pad
-from dartree_ext.decoding.cost import cpu_bf16_native, device_name
+from dartree_ext.decoding.profiling import cpu_bf16_native, device_name
 from dartree_ext.loading import encode_prompt
 
 

@@ -242,7 +242,7 @@ def _load_for_generate(args, parser=None):
     """The resolved config, the target (in the dtype ``--dtype`` asks for and with the linear
     layers ``--linear`` asks for, measured once for ``auto``), its tokenizer, the drafter, the
     corpus, and the forward times the dtype was chosen from."""
-    from .decoding.cost import resolve_forward
+    from .decoding.profiling import resolve_forward
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
     try:
@@ -329,7 +329,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
     from .decoding import SpeculativeDecoder, left_pad
     from .decoding.config import preset, resolve
-    from .decoding.cost import cpu_bf16_native, device_name
+    from .decoding.profiling import cpu_bf16_native, device_name
     from .loading import encode_prompt, stop_tokens
 
     parser = build_generate_parser()
@@ -387,7 +387,7 @@ def _generate_compiled(args, config, target, tok, drafter, dtype, texts, stops) 
     """``dartree-generate --compile``: StaticRound's compiled rounds (of the resolved ``config``),
     and with ``--compare-ar`` its compiled plain steps on the same static cache, in alternating pairs."""
     from .decoding import StaticRound
-    from .decoding.cost import cpu_bf16_native, device_name
+    from .decoding.profiling import cpu_bf16_native, device_name
     from .loading import encode_prompt
 
     prompts = [torch.tensor(encode_prompt(tok, t, chat=not args.no_chat), dtype=torch.int64, device=args.device)
@@ -475,7 +475,7 @@ def _plot_cost_model(cost, title: str, path: str) -> None:
 def profile_main(argv: list[str] | None = None) -> int:
     """``dartree-profile``: measure (or show the cached) cost model of a target on this machine."""
     from .decoding import SpeculativeDecoder
-    from .decoding.cost import DEFAULT_CONTEXTS, DEFAULT_NODES, _key_path, cached_cost_model, cost_key, measure_cost_model
+    from .decoding.profiling import DEFAULT_CONTEXTS, DEFAULT_NODES, _key_path, cached_cost_model, cost_key, measure_cost_model
     from .decoding.decoder import drafter_fits
     from .models import Eagle3Drafter
     from .linear import set_linear

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding import cost as costmod  # noqa: E402
+from dartree_ext.decoding import profiling  # noqa: E402
 from dartree_ext.decoding.cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator,  # noqa: E402
                                        choose_size)
 from dartree_ext.decoding.methods import AUTO_METHODS, EAGLE3_METHODS  # noqa: E402
@@ -190,7 +191,7 @@ def test_measured_curve_times_each_size_in_pairs_with_a_plain_step(cache_dir, mo
             pair = (self.count - 1) // 2
             return 10.0 + (calls[-1] - 1) + (pair * 7) % 13 + (50.0 if self.count <= per_pass else 0.0)
 
-    monkeypatch.setattr(costmod, "_Timer", Timer)
+    monkeypatch.setattr(profiling, "_Timer", Timer)
     cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
     timed = [n - 1 for n in calls][-(reps + 1) * per_pass:]
     passes = [timed[i * per_pass:(i + 1) * per_pass] for i in range(reps + 1)]
@@ -222,7 +223,7 @@ def test_curve_samples_keep_reps_pairs_per_size_and_context(cache_dir, monkeypat
             self.count += 1
             return float(self.count)  # 1, 2, 3, ...: a pair's two forwards are consecutive
 
-    pairs = costmod._curve_samples(target, False, [0, 1, 3], [4, 8], 3, False, Timer(None), torch.Generator())
+    pairs = profiling._curve_samples(target, False, [0, 1, 3], [4, 8], 3, False, Timer(None), torch.Generator())
     assert len(pairs) == 2 and all(sorted(p) == [1, 3] for p in pairs)
     for per_context in pairs:
         for samples in per_context.values():
@@ -416,7 +417,7 @@ def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
         return CostModel(nodes=list(nodes), contexts=list(contexts),
                          verify_ms=[[1.0 + n for n in nodes] for _ in contexts])
 
-    monkeypatch.setattr(costmod, "measure_cost_model", fake_measure)
+    monkeypatch.setattr(profiling, "measure_cost_model", fake_measure)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     kw = dict(methods=["dartree"], nodes=[0, 4], contexts=[16])
@@ -441,7 +442,7 @@ def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
     costmod.cached_cost_model(target, drafter, methods=["ddtree"], nodes=[0, 4], contexts=[16])  # other methods
     assert len(calls) == 6
     # a corrupted or foreign file is measured again, not trusted
-    path = costmod._key_path(costmod.cost_key(target, drafter, "cpu", [0, 4], [16], ["dartree"]))
+    path = profiling._key_path(costmod.cost_key(target, drafter, "cpu", [0, 4], [16], ["dartree"]))
     with open(path, "w") as f:
         f.write("{not json")
     costmod.cached_cost_model(target, drafter, **kw)
@@ -462,7 +463,7 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
         calls.append(tokens)
         return times[next(model.parameters()).dtype]
 
-    monkeypatch.setattr(costmod, "forward_ms", fake_forward)
+    monkeypatch.setattr(profiling, "forward_ms", fake_forward)
     target = tiny_target("llama")
     dtype, ms = costmod.choose_dtype(target, tokens=(1, 9))
     assert dtype == torch.bfloat16 and ms == {"float32": 10.0, "bfloat16": 6.0}

@@ -9,7 +9,7 @@ import torch
 
 import dartree_ext
 from dartree_ext import ops, reference
-from dartree_ext.decoding import cost as costmod
+from dartree_ext.decoding import profiling as costmod
 from dartree_ext.linear import (DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, restore_torch_linear, set_linear,
                                 use_few_rows_linear)
 from dartree_ext.loading import tiny_target

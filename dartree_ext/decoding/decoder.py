@@ -39,7 +39,8 @@ from ..sampling import speculative_tokens, target_tokens_from_logits
 from ..tree import Tree, prune
 from .cache import compact_cache_, crop_cache_
 from .config import CORPUS_OFF, DecodingConfig, DecodingConfigWarning, resolve
-from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator, cached_cost_model
+from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator
+from .profiling import cached_cost_model
 from .eagle import StopRule, eagle3_draft
 from .hf import additive_mask, cache_length, check_prompts, new_cache
 from .lookup import ChainGraft, CorpusIndex, LookupStats, new_nodes
