@@ -57,6 +57,22 @@ log = logging.getLogger(__name__)
 CALIBRATION_PRIOR_TRIALS = 32.0
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(progress: bool, total: int, desc: str):
+    """A tqdm bar of ``total`` tokens when ``progress``, else one that does nothing."""
+    if not progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="tok")
+
+
 def left_pad(prompts, pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids int64[B, L], attention_mask int64[B, L])`` for token-id lists of different
     lengths, padded on the left (what :meth:`SpeculativeDecoder.generate` and HF expect)."""
@@ -333,52 +349,51 @@ class SpeculativeDecoder:
         generated tokens (right-padded with the pad token), as HF ``generate`` does, and stats.
         """
         prompts = check_prompts(self.target, input_ids, attention_mask, max_new_tokens, temperature)
+        run = self._session(prompts, max_new_tokens, stop_token_ids,
+                            dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator))
+        state = self._prefill(run, prompts)
+        bar = _progress_bar(progress, len(prompts) * max_new_tokens, f"generate ({self.method})")
+        while state.rows:
+            bar.update(self._round(run, state))
+        bar.close()
+        return GenerationOutput(sequences=run.sequences(input_ids), stats=run.stats)
+
+    def _round(self, run: Session, state: Batch) -> int:
+        """One round for every unfinished row (draft -> tree -> verify -> commit -> retire), timed
+        for the call's sizing; the tokens it emitted."""
+        start = time.perf_counter()
+        state.begin_round(cache_length(state.cache))
+        draft = self._draft(run, state)
+        tree, chosen = self._tree(run, state, draft)
+        predicted = run.sizing.predict(tree, state.cache_len, draft is not None)
+        verify_start = time.perf_counter()
+        verdict = self._verify(run, state, tree)
+        verify_end = time.perf_counter()
+        run.sizing.observe(tree, state.cache_len, draft is not None, verify_start - start, verify_end - verify_start)
+        self._commit(run, state, tree, verdict, chosen, draft)
+        self._retire(run, state, tree, verdict, chosen)
+        end = run.tick("bookkeeping")
+        self._costs.observe_overhead(1e3 * (end - verify_end))
+        tokens = sum(verdict.accepted) + len(verdict.accepted)
+        run.stats.check_prediction(predicted, tokens, 1e3 * (end - start))
+        return tokens
+
+    def _session(self, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids, sampling: dict) -> Session:
+        """A new call's :class:`~dartree_ext.decoding.state.Session`: its sizing (the calibrator
+        of its regime), its lookup statistics, and the corpus if it is consulted at this
+        temperature."""
+        temperature = sampling["temperature"]
         self._ensure_cost_model()
-        sizing = self.sizing = self._sizing_for(temperature)
+        self.sizing = self._sizing_for(temperature)
         self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
         self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
         corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
         if self.corpus is not None and corpus is None and self._warn_corpus:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
                           "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
-                          stacklevel=2)
-        run = Session(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())),
-                      dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator), sizing,
-                      corpus, self.lookup_stats, self.corpus_stats)
-        state = self._prefill(run, prompts)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(prompts) * max_new_tokens, desc=f"generate ({self.method})", unit="tok")
-        while state.rows:
-            round_start = time.perf_counter()
-            state.begin_round(cache_length(state.cache))
-            draft = self._draft(run, state)
-            tree, chosen = self._tree(run, state, draft)
-            rows, width = tree.tokens.shape
-            predicted = sizing.predict_round(rows, width, state.cache_len, draft is not None) \
-                if self.auto and width > 1 else None
-            tree_end = time.perf_counter()
-            verdict = self._verify(run, state, tree)
-            start = time.perf_counter()
-            if self.auto:
-                sizing.observe_round(rows, width, state.cache_len, draft is not None, tree_end - round_start,
-                                     start - tree_end)
-            self._commit(run, state, tree, verdict, chosen, draft)
-            self._retire(run, state, tree, verdict, chosen)
-            if bar is not None:
-                bar.update(sum(verdict.accepted) + len(verdict.accepted))
-            end = run.tick("bookkeeping")
-            self._costs.observe_overhead(1e3 * (end - start))
-            if predicted is not None:
-                run.stats.auto_rounds += 1
-                run.stats.predicted_tokens += predicted[0]
-                run.stats.predicted_ms += predicted[1]
-                run.stats.measured_tokens += sum(verdict.accepted) + len(verdict.accepted)
-                run.stats.measured_ms += 1e3 * (end - round_start)
-        if bar is not None:
-            bar.close()
-        return GenerationOutput(sequences=run.sequences(input_ids), stats=run.stats)
+                          stacklevel=3)
+        return Session(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())), sampling,
+                       self.sizing, corpus, self.lookup_stats, self.corpus_stats)
 
     def _prefill(self, run: Session, prompts: list[torch.Tensor]) -> Batch:
         """Every prompt but its last token (the first root) into a new cache, left-padded; the

@@ -57,6 +57,12 @@ class FixedBudget:
     def rests(self) -> bool:
         return False
 
+    def predict(self, tree: Tree, context: int, drafted: bool) -> None:
+        return None
+
+    def observe(self, tree: Tree, context: int, drafted: bool, draft_tree_s: float, verify_s: float) -> None:
+        pass
+
     def draft_positions(self, full: int) -> int:
         return full
 
@@ -145,6 +151,15 @@ class AutoBudget:
         if n < tree.tokens.shape[1] - 1:
             tree = prune(tree, n)
         return tree, n
+
+    def predict(self, tree: Tree, context: int, drafted: bool) -> tuple[float, float] | None:
+        """:meth:`predict_round` for the tree about to be verified (``None`` for the root alone)."""
+        rows, width = tree.tokens.shape
+        return self.predict_round(rows, width, context, drafted) if width > 1 else None
+
+    def observe(self, tree: Tree, context: int, drafted: bool, draft_tree_s: float, verify_s: float) -> None:
+        """:meth:`observe_round` for the tree just verified."""
+        self.observe_round(tree.tokens.shape[0], tree.tokens.shape[1], context, drafted, draft_tree_s, verify_s)
 
     def predict_round(self, rows: int, width: int, context: int, drafted: bool) -> tuple[float, float]:
         """What the chooser expects of a round about to verify ``rows`` trees of ``width`` columns

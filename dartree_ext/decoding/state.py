@@ -65,6 +65,16 @@ class DecodingStats:
     def rounds(self) -> int:
         return sum(r.rounds for r in self.requests)
 
+    def check_prediction(self, predicted: tuple[float, float] | None, tokens: int, ms: float) -> None:
+        """``budget="auto"``: a verified round's predicted ``(tokens, ms)`` against what it gave and took."""
+        if predicted is None:
+            return
+        self.auto_rounds += 1
+        self.predicted_tokens += predicted[0]
+        self.predicted_ms += predicted[1]
+        self.measured_tokens += tokens
+        self.measured_ms += ms
+
     @property
     def tau(self) -> float:
         """Tokens per round over all rounds of all requests (micro average)."""
