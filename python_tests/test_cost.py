@@ -733,8 +733,8 @@ def test_decoder_starts_from_the_drafters_saved_calibration(setup, tmp_path):
     assert dec.calibrator.trials.sum(1).tolist() == pytest.approx([32.0] * 3)   # capped
     check_greedy(dec, prompts, refs, NEW)
     dec.generate(prompts[0][None], max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    assert set(dec._calibrators) == {"greedy", "sample"}
-    assert float(dec._calibrators["sample"].predict_np(np.float32([-0.6]), np.array([1]))[0]) < 0.6  # none saved
+    assert set(dec.learned.calibrators) == {"greedy", "sample"}
+    assert float(dec.learned.calibrators["sample"].predict_np(np.float32([-0.6]), np.array([1]))[0]) < 0.6  # none saved
     bad = SpeculativeDecoder(target, drafter, "dartree", budget="auto", K=8, cost_model=TREES_PAY)
     assert float(bad.calibrator.trials.sum()) == 0.0
 

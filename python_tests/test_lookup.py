@@ -415,7 +415,7 @@ def test_corpus_raises_tau_where_the_context_has_nothing(corpus_setup):
                               cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
     out = check_greedy(auto, prompts, refs)
     assert out.stats.corpus_accepted > 0 and auto.corpus_stats.hits.sum() > 0  # learned in its own table
-    assert auto._lookup_stats_for("greedy").hits.sum() == 0 or out.stats.lookup_rounds > out.stats.corpus_rounds
+    assert auto.learned.lookup_stats("greedy").hits.sum() == 0 or out.stats.lookup_rounds > out.stats.corpus_rounds
 
 
 def test_corpus_lookup_samples_at_t1(corpus_setup):
@@ -428,7 +428,7 @@ def test_corpus_lookup_samples_at_t1(corpus_setup):
                                  corpus_sampling=sampling)
         out = dec.generate(ids, mask, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
         assert all(r.new_tokens == 12 for r in out.stats.requests)
-        assert dec.corpus_stats is dec._lookup_stats_for("corpus-sample")
-        assert dec._lookup_stats_for("corpus-greedy").trials.sum() == 0
+        assert dec.corpus_stats is dec.learned.lookup_stats("corpus-sample")
+        assert dec.learned.lookup_stats("corpus-greedy").trials.sum() == 0
         assert (dec.corpus_stats.trials.sum() + dec.corpus_stats.agree_trials.sum() > 0) == sampling
         assert (out.stats.corpus_rounds > 0) == sampling

@@ -47,14 +47,13 @@ from .lookup import ChainGraft, CorpusIndex, LookupStats, new_nodes
 from .methods import Method, method as method_entry
 from .methods import ALL_METHODS, AUTO_METHODS, DRAFTERLESS, EAGLE3_METHODS, METHODS  # noqa: F401 (re-exported)
 from .sampled import DraftQ, children_and_q, sampled_chain  # noqa: F401 (DraftQ re-exported)
-from .sizing import AutoBudget, FixedBudget, RunningCosts
+from .sizing import AutoBudget, FixedBudget, Learned, RunningCosts
 from .state import (PHASES, Batch, DecodingStats, GenerationOutput, RequestStats,  # noqa: F401 (re-exported)
-                    Session, Verdict)
+                    Session, Verdict, context_vectors)
 from .trees import BUILDERS, TreeRequest, plain_tree
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_PRIOR_TRIALS = 32.0
 
 
 class _NoBar:
@@ -201,9 +200,6 @@ class SpeculativeDecoder:
         self.corpus = corpus if config.corpus != CORPUS_OFF else None  # (a corpus continuation is a lookup branch)
         self.corpus_sampling = config.corpus_sampling
         self._warn_corpus = config.corpus not in ("auto", CORPUS_OFF)  # a corpus the user named
-        self._lookup_stats: dict[str, LookupStats] = {}
-        self.lookup_stats = self._lookup_stats_for("greedy")
-        self.corpus_stats = self._lookup_stats_for("corpus-greedy")
         if not spec.drafts:
             drafter = None  # not used: no drafter pass, no drafter context
         else:
@@ -221,10 +217,9 @@ class SpeculativeDecoder:
         self.width, self.K, self.depth_bonus = config.width, config.K, config.depth_bonus
         self.sync_timing = sync_timing
         self.cost_model = cost_model
-        if calibrator is not None and not isinstance(calibrator, DepthCalibrator):
-            calibrator = DepthCalibrator([calibrator])  # one calibrator for every depth
-        self._given_calibrator = calibrator
-        self._calibrators: dict[str, DepthCalibrator] = {}
+        self.learned = Learned(spec.name, drafter, calibrator)  # calibrators and lookup statistics, across calls
+        self.lookup_stats = self.learned.lookup_stats("greedy")
+        self.corpus_stats = self.learned.lookup_stats("corpus-greedy")
         self._costs = RunningCosts()  # the cost model's corrections, kept across calls
         self.sizing = self._sizing_for(0.0)  # the latest call's (a new one per generate call)
         self._head = drafter.export_head(dtype=drafter.dtype) if drafter is not None and spec.head else None
@@ -298,36 +293,8 @@ class SpeculativeDecoder:
         if not self.auto:
             return FixedBudget()
         regime = "greedy" if temperature == 0 else "sampled_draft" if self.sampled_draft else "sample"
-        return AutoBudget(self.method, self.budget, self.cost_model, self._calibrator_for(regime), self.estimator,
-                          self._costs, self._lookup_stats_for("greedy" if temperature == 0 else "sample"))
-
-    def _calibrator_for(self, regime: str) -> DepthCalibrator:
-        """One calibrator per regime ("greedy", "sample" or "sampled_draft": acceptance differs), per depth class
-        (:class:`DepthCalibrator`), started from the drafter's saved counts for this method
-        (``calibration.json``, capped at :data:`CALIBRATION_PRIOR_TRIALS` per bin; counts saved
-        without depths start every class) when it has them, else from the default prior. A
-        calibrator given to the constructor serves every depth (an ``AcceptanceCalibrator``) or
-        as it is (a ``DepthCalibrator``)."""
-        if self._given_calibrator is not None:
-            return self._given_calibrator
-        if regime not in self._calibrators:
-            saved = (getattr(self.drafter, "calibration", None) or {}).get(f"{self.method}@{regime}")
-            if saved is not None:
-                try:
-                    cal = DepthCalibrator.from_state(saved, max_trials=CALIBRATION_PRIOR_TRIALS)
-                except ValueError as e:
-                    log.warning("ignoring the drafter's calibration for %s@%s: %s", self.method, regime, e)
-                    cal = DepthCalibrator.fresh()
-            else:
-                cal = DepthCalibrator.fresh()
-            self._calibrators[regime] = cal
-        return self._calibrators[regime]
-
-    def _lookup_stats_for(self, regime: str) -> LookupStats:
-        """One :class:`LookupStats` per regime ("greedy" or "sample"), kept across calls."""
-        if regime not in self._lookup_stats:
-            self._lookup_stats[regime] = LookupStats(regime=regime)
-        return self._lookup_stats[regime]
+        return AutoBudget(self.method, self.budget, self.cost_model, self.learned.calibrator(regime), self.estimator,
+                          self._costs, self.learned.lookup_stats("greedy" if temperature == 0 else "sample"))
 
     def _ensure_cost_model(self) -> None:
         if self.auto and self.cost_model is None:
@@ -385,8 +352,8 @@ class SpeculativeDecoder:
         temperature = sampling["temperature"]
         self._ensure_cost_model()
         self.sizing = self._sizing_for(temperature)
-        self.lookup_stats = self._lookup_stats_for("greedy" if temperature == 0 else "sample")
-        self.corpus_stats = self._lookup_stats_for("corpus-greedy" if temperature == 0 else "corpus-sample")
+        self.lookup_stats = self.learned.lookup_stats("greedy" if temperature == 0 else "sample")
+        self.corpus_stats = self.learned.lookup_stats("corpus-greedy" if temperature == 0 else "corpus-sample")
         corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
         if self.corpus is not None and corpus is None and self._warn_corpus:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
@@ -417,36 +384,17 @@ class SpeculativeDecoder:
                               use_cache=True, output_hidden_states=run.drafting, logits_to_keep=1,
                               **{self._cache_kw: state.cache})
             if run.drafting:
-                state.context = self._context_vectors(self.drafter.target_features(out.hidden_states),
-                                                      torch.cat([ids[:, 1:], state.root[:, None]], 1))
+                state.context = context_vectors(self.drafter, self._eagle3,
+                                                self.drafter.target_features(out.hidden_states),
+                                                torch.cat([ids[:, 1:], state.root[:, None]], 1))
                 if self._context_kv:
                     state.context_kv = self.drafter.context_kv(state.context, (slot - pad[:, None]).clamp(min=0))
         run.tick("prefill")
         return state
 
-    def _context_vectors(self, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
-        """The drafter's context vectors of committed slots from the target's features there (an
-        EAGLE-3 drafter also reads the token after each slot: ``next_tokens``)."""
-        if self._eagle3:
-            return self.drafter.project_context(features, next_tokens)
-        return self.drafter.project_context(features)
-
-    def _ensure_context(self, state: Batch) -> None:
-        """An empty drafter context when there is none yet (a prompt of one token has no prefix)."""
-        if state.context is None:
-            state.context = self.drafter.empty_context(state.rows)
-            if self._context_kv:
-                state.context_kv = self.drafter.context_kv(state.context, state.pad.new_zeros(state.rows, 0))
-
     def _flush_context(self, state: Batch) -> None:
-        """The queued slots' context vectors (and keys/values), made in one batch and written."""
-        row, dst, pos, feats, nxt = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
-                                     for parts in zip(*state.pending))  # one entry (every drafting round): no copy
-        state.pending = []
-        self._ensure_context(state)
-        vectors = self._context_vectors(feats[None], None if nxt is None else nxt[None])
-        kv = [t[0] for t in self.drafter.context_kv(vectors, pos[None])] if self._context_kv else []
-        state.write_context(row, dst, vectors[0], kv)
+        """The queued slots' context vectors, made and written (:meth:`Batch.flush_context`)."""
+        state.flush_context(self.drafter, self._eagle3, self._context_kv)
 
     def _draft(self, run: Session, state: Batch) -> DraftOutput | Tree | None:
         """The drafter pass from every row's root (``None`` without a drafter, or while a plain
@@ -457,7 +405,7 @@ class SpeculativeDecoder:
         if run.drafting and not run.sizing.rests():
             if state.pending:
                 self._flush_context(state)
-            self._ensure_context(state)
+            state.ensure_context(self.drafter, self._context_kv)
             if self._eagle3:  # with budget="auto", only the steps recent trees reached + 2 (AutoBudget.draft_positions)
                 steps = self.drafter.config.num_steps
                 draft = eagle3_draft(self.drafter, state, width=self.width, children=min(self.K, self.width),
@@ -494,21 +442,7 @@ class SpeculativeDecoder:
         """``tree`` with every row's context continuation grafted in (:class:`ChainGraft`); with
         ``budget="auto"``, the continuations are cut at the step (the same for every row) that
         maximises expected tokens per ms under the cost model."""
-        chains, ngrams, sources = [], [], []
-        for row, req in enumerate(state.active.tolist()):
-            room = run.max_new_tokens - len(run.generated[req]) - 1  # the bonus token comes after the chain
-            if run.max_pos is not None:
-                room = min(room, run.max_pos - run.stats.requests[req].prompt_tokens - len(run.generated[req]) - 1)
-            chain, n = run.index[req].propose(min(self.lookup, room))
-            source = run.lookup_stats
-            if run.corpus is not None:  # the continuation expected to give more tokens
-                other, m = run.corpus.propose(run.index[req].tokens, min(self.lookup, room))
-                if other and sum(run.corpus_stats.path_probs(m, len(other))) > \
-                        (sum(run.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
-                    chain, n, source = other, m, run.corpus_stats
-            chains.append(chain)
-            ngrams.append(n)
-            sources.append(source)
+        chains, ngrams, sources = run.propose_continuations(state.active.tolist(), self.lookup)
         graft = ChainGraft(tree, chains)
         new = [new_nodes(a) for a in graft.added]
         steps = None
@@ -581,16 +515,7 @@ class SpeculativeDecoder:
             target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
         accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
         verdict = Verdict(accept_nodes, accept_len, bonus, target_tokens, out.hidden_states if run.drafting else None)
-        # everything the host needs from this round, in one device-to-host transfer
-        rows, n = tree.tokens.shape
-        path = tree.tokens.gather(1, accept_nodes.long().clamp(min=0))
-        host = torch.cat([accept_len.long()[:, None], bonus[:, None], (tree.num_nodes - 1).long()[:, None], path,
-                          tree.depths.long()], 1).tolist()
-        verdict.accepted = [h[0] for h in host]
-        verdict.bonus_tokens = [h[1] for h in host]
-        verdict.sizes = [h[2] for h in host]
-        verdict.paths = [h[3:3 + n] for h in host]
-        verdict.depths = [h[3 + n:] for h in host]
+        verdict.fetch(tree)
         run.tick("verify")
         return verdict
 
@@ -650,18 +575,7 @@ class SpeculativeDecoder:
         if run.drafting and chosen == 0:
             stats.plain_rounds += state.rows
         if state.chains is not None:
-            for row, (chain, n, new, source) in enumerate(zip(state.chains, state.ngrams, state.chain_new,
-                                                              state.chain_stats)):
-                if chain:
-                    path, got = paths[row][1:accepted[row] + 1], 0
-                    while got < min(len(chain), len(path)) and chain[got] == path[got]:
-                        got += 1
-                    source.update(n, len(chain), got, new)
-                    stats.lookup_rounds += 1
-                    stats.lookup_accepted += got
-                    if source is not run.lookup_stats:
-                        stats.corpus_rounds += 1
-                        stats.corpus_accepted += got
+            run.learn_continuations(state, accepted, paths)
         keep = []
         for row, req in enumerate(state.active.tolist()):
             rs, a = stats.requests[req], accepted[row]

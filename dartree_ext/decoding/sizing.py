@@ -14,17 +14,21 @@ verification :meth:`~AutoBudget.observe_round`, :meth:`~AutoBudget.calibrate` an
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import torch
 
 from ..tree import Tree, prune
-from .cost import AcceptanceLevel, CostModel, DepthCalibrator, choose_size, running_average
+from .cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, choose_size, running_average
 from .lookup import LookupStats, new_nodes
 from .stopping import Backoff
 from .trees import plain_tree
 
+log = logging.getLogger(__name__)
+
+CALIBRATION_PRIOR_TRIALS = 32.0  # a drafter's saved calibration counts at most this many trials per bin
 RUNNING_WEIGHT = 0.2  # a new round's weight in the running costs
 OVERHEAD_WEIGHT = 0.1  # ... and in the running bookkeeping ms
 RECENT_ROUNDS = 16
@@ -45,6 +49,45 @@ class RunningCosts:
 
     def observe_overhead(self, ms: float) -> None:
         self.overhead_ms = running_average(self.overhead_ms, ms, OVERHEAD_WEIGHT)
+
+
+class Learned:
+    """What a decoder learns across its calls, per regime (``"greedy"``: T = 0, ``"sample"``,
+    ``"sampled_draft"``; acceptance differs): node-acceptance calibrators and the lookup
+    branch's statistics."""
+
+    def __init__(self, method: str, drafter=None, calibrator: AcceptanceCalibrator | DepthCalibrator | None = None):
+        if calibrator is not None and not isinstance(calibrator, DepthCalibrator):
+            calibrator = DepthCalibrator([calibrator])  # one calibrator for every depth
+        self.method, self.drafter, self.given = method, drafter, calibrator
+        self.calibrators: dict[str, DepthCalibrator] = {}
+        self._lookup: dict[str, LookupStats] = {}
+
+    def calibrator(self, regime: str) -> DepthCalibrator:
+        """The regime's calibrator, per depth class (:class:`DepthCalibrator`), started from the
+        drafter's saved counts for this method (``calibration.json``, capped at
+        :data:`CALIBRATION_PRIOR_TRIALS` per bin; counts saved without depths start every class)
+        when it has them, else from the default prior. A calibrator given to the decoder serves
+        every depth (an ``AcceptanceCalibrator``) or as it is (a ``DepthCalibrator``)."""
+        if self.given is not None:
+            return self.given
+        if regime not in self.calibrators:
+            saved = (getattr(self.drafter, "calibration", None) or {}).get(f"{self.method}@{regime}")
+            cal = DepthCalibrator.fresh()
+            if saved is not None:
+                try:
+                    cal = DepthCalibrator.from_state(saved, max_trials=CALIBRATION_PRIOR_TRIALS)
+                except ValueError as e:
+                    log.warning("ignoring the drafter's calibration for %s@%s: %s", self.method, regime, e)
+            self.calibrators[regime] = cal
+        return self.calibrators[regime]
+
+    def lookup_stats(self, regime: str) -> LookupStats:
+        """The regime's :class:`LookupStats` (``"greedy"``, ``"sample"``, ``"corpus-greedy"``,
+        ``"corpus-sample"``)."""
+        if regime not in self._lookup:
+            self._lookup[regime] = LookupStats(regime=regime)
+        return self._lookup[regime]
 
 
 class FixedBudget:

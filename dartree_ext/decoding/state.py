@@ -143,6 +143,26 @@ class Verdict:
     paths: list[list[int]] = dataclasses.field(default_factory=list)
     depths: list[list[int]] = dataclasses.field(default_factory=list)
 
+    def fetch(self, tree: Tree) -> None:
+        """Everything the host needs from the round, in one device-to-host transfer."""
+        n = tree.tokens.shape[1]
+        path = tree.tokens.gather(1, self.accept_nodes.long().clamp(min=0))
+        host = torch.cat([self.accept_len.long()[:, None], self.bonus[:, None], (tree.num_nodes - 1).long()[:, None],
+                          path, tree.depths.long()], 1).tolist()
+        self.accepted = [h[0] for h in host]
+        self.bonus_tokens = [h[1] for h in host]
+        self.sizes = [h[2] for h in host]
+        self.paths = [h[3:3 + n] for h in host]
+        self.depths = [h[3 + n:] for h in host]
+
+
+def context_vectors(drafter, eagle3: bool, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The drafter's context vectors of committed slots from the target's features there (an
+    EAGLE-3 drafter also reads the token after each slot: ``next_tokens``)."""
+    if eagle3:
+        return drafter.project_context(features, next_tokens)
+    return drafter.project_context(features)
+
 
 @dataclasses.dataclass
 class Batch:
@@ -221,6 +241,23 @@ class Batch:
         if self.context_kv is not None:
             self.context_kv = slots[1:]
 
+    def ensure_context(self, drafter, with_kv: bool) -> None:
+        """An empty drafter context when there is none yet (a prompt of one token has no prefix)."""
+        if self.context is None:
+            self.context = drafter.empty_context(self.rows)
+            if with_kv:
+                self.context_kv = drafter.context_kv(self.context, self.pad.new_zeros(self.rows, 0))
+
+    def flush_context(self, drafter, eagle3: bool, with_kv: bool) -> None:
+        """The queued slots' context vectors (and keys/values), made in one batch and written."""
+        row, dst, pos, feats, nxt = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
+                                     for parts in zip(*self.pending))  # one entry (every drafting round): no copy
+        self.pending = []
+        self.ensure_context(drafter, with_kv)
+        vectors = context_vectors(drafter, eagle3, feats[None], None if nxt is None else nxt[None])
+        kv = [t[0] for t in drafter.context_kv(vectors, pos[None])] if with_kv else []
+        self.write_context(row, dst, vectors[0], kv)
+
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only the rows ``idx`` (int64), in the cache too."""
         if self.pending:  # the kept rows' queued slots, renumbered
@@ -270,6 +307,44 @@ class Session:
                                    {p: 0.0 for p in PHASES})
         self._sync = decoder.sync_timing and self.device.type == "cuda"
         self._clock = time.perf_counter()
+
+    def propose_continuations(self, requests: list[int], lookup: int) -> tuple[list, list, list]:
+        """Each row's lookup continuation (at most ``lookup`` tokens, and no more than the request
+        has room for), the n-gram length it matched and its source's statistics: the context's,
+        or the corpus's where that source expects more tokens."""
+        chains, ngrams, sources = [], [], []
+        for req in requests:
+            room = self.max_new_tokens - len(self.generated[req]) - 1  # the bonus token comes after the chain
+            if self.max_pos is not None:
+                room = min(room, self.max_pos - self.stats.requests[req].prompt_tokens - len(self.generated[req]) - 1)
+            chain, n = self.index[req].propose(min(lookup, room))
+            source = self.lookup_stats
+            if self.corpus is not None:  # the continuation expected to give more tokens
+                other, m = self.corpus.propose(self.index[req].tokens, min(lookup, room))
+                if other and sum(self.corpus_stats.path_probs(m, len(other))) > \
+                        (sum(self.lookup_stats.path_probs(n, len(chain))) if chain else 0.0):
+                    chain, n, source = other, m, self.corpus_stats
+            chains.append(chain)
+            ngrams.append(n)
+            sources.append(source)
+        return chains, ngrams, sources
+
+    def learn_continuations(self, state: "Batch", accepted: list[int], paths: list[list[int]]) -> None:
+        """What the round's continuations gave (the accepted path's agreeing prefix), to their
+        sources' statistics and the call's."""
+        stats = self.stats
+        for row, (chain, n, new, source) in enumerate(zip(state.chains, state.ngrams, state.chain_new,
+                                                          state.chain_stats)):
+            if chain:
+                path, got = paths[row][1:accepted[row] + 1], 0
+                while got < min(len(chain), len(path)) and chain[got] == path[got]:
+                    got += 1
+                source.update(n, len(chain), got, new)
+                stats.lookup_rounds += 1
+                stats.lookup_accepted += got
+                if source is not self.lookup_stats:
+                    stats.corpus_rounds += 1
+                    stats.corpus_accepted += got
 
     def tick(self, phase: str) -> float:
         """Charge the time since the last tick to ``phase``."""
