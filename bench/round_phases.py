@@ -10,8 +10,11 @@ the same prompt, the target set up as `dartree-generate` sets it up (`--dtype`, 
     python bench/round_phases.py --by-rows                        # the target's forward time by rows verified
     python bench/round_phases.py --plain-only --pairs 6           # a method's rounds when no tree pays, against ar
 
-Each listed function is wrapped with a timer (a few microseconds per call, included in the
-figures); nested calls are counted in their callers too, so the rows do not add up. The target's
+The decoder's phases are timed through its public hook (``generate(..., hook=PhaseHook)``:
+prefill, draft, tree, verify, commit, retire, and inside them context and lookup); the calls
+inside them (the target's and drafter's forwards, the ops, the sizing's steps) are each wrapped
+with a timer (a few microseconds per call, included in the figures). Nested calls are counted in
+their callers too, so the rows do not add up. The target's
 forward includes the prefill (its calls outnumber the rounds by the prefills). Figures are the
 sum over --repeats decodes of the prompt, after one untimed decode per method.
 
@@ -32,19 +35,18 @@ import time
 
 import torch
 
-import dartree_ext.decoding.decoder as decoder_module
+import dartree_ext.decoding.phases as phases_module
 import dartree_ext.tree as tree_module
 import dartree_ext.decoding.trees as trees_module
 from dartree_ext.cli import _load_for_generate, _speedup, build_generate_parser, decoder_for
 from dartree_ext.decoding.config import from_args
 import dartree_ext.decoding.sizing as sizing_module
 from dartree_ext.decoding.sizing import AutoBudget
-from dartree_ext.decoding import SpeculativeDecoder, left_pad
+from dartree_ext.decoding import PhaseHook, SpeculativeDecoder, left_pad
 from dartree_ext.decoding.profiling import _drop_last
 from dartree_ext.loading import encode_prompt, stop_tokens
 
-DECODER_METHODS = ("_draft", "_tree", "_verify", "_commit", "_retire", "build_tree", "_flush_context",
-                   "_graft_lookup")
+DECODER_METHODS = ("build_tree",)
 SIZING_METHODS = ("predict_round", "observe_round", "choose_tree", "expected_accepted", "calibrate",
                   "calibrate_unverified", "lookup_steps")
 
@@ -95,17 +97,38 @@ def main() -> None:
 
         setattr(owner, name, wrapper)
 
+    class Phases(PhaseHook):
+        """Each phase's time (and, with --ops, a profiler range named after it)."""
+
+        def __init__(self) -> None:
+            self.open: list[tuple[float, object]] = []
+
+        def enter(self, phase: str, batch) -> None:
+            rng = torch.profiler.record_function("PH:" + phase) if args.ops else None
+            if rng is not None:
+                rng.__enter__()
+            self.open.append((time.perf_counter(), rng))
+
+        def exit(self, phase: str, batch, result) -> None:
+            start, rng = self.open.pop()
+            if rng is not None:
+                rng.__exit__(None, None, None)
+            totals[phase] += time.perf_counter() - start
+            calls[phase] += 1
+
+    hook = None if (args.pairs or args.cold) else Phases()
+
     if not (args.pairs or args.cold):  # those time the calls as they are, with no wrappers
         for name in SIZING_METHODS:
             timed(AutoBudget, name)
         for name in DECODER_METHODS:
             timed(SpeculativeDecoder, name)
         for name in ("prune", "compact_cache_", "target_tokens_from_logits"):
-            timed(decoder_module, name)
+            timed(phases_module, name)
         for name in ("choose_size", "prune"):
             timed(sizing_module, name)
         for name in ("verify_tree", "tree_attention_mask"):
-            timed(decoder_module.ops, name)
+            timed(phases_module.ops, name)
         timed(tree_module.ops, "build_supertree")
         for name in ("supertree_as_tree", "candidates"):
             timed(tree_module, name)
@@ -125,7 +148,7 @@ def main() -> None:
         dec = decoder_for(flags, target, drafter, corpus, method, **extra)
         gen = torch.Generator().manual_seed(args.seed)
         return dec.generate(ids, mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, generator=gen)
+                            top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, generator=gen, hook=hook)
 
     if args.cold:  # no decoding: no cost model or warm-up decodes needed
         return print_cold(target, drafter, args.cold)

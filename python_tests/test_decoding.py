@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dartree_ext.decoding import METHODS, SpeculativeDecoder  # noqa: E402
+from dartree_ext.decoding import HOOK_PHASES, METHODS, PhaseHook, SpeculativeDecoder  # noqa: E402
 from dartree_ext.decoding.sampled import DraftQ as _DraftQ, children_and_q, sampled_chain  # noqa: E402
 from dartree_ext.tree import Tree  # noqa: E402
 
@@ -450,9 +450,9 @@ def test_early_exit_cuts_where_the_head_says(setup):
 
 def test_early_exit_cuts_each_chain_row_on_its_own(setup):
     """Chains are cut per row, at each row's first position below the threshold."""
-    from dartree_ext.decoding.decoder import _leading_at_least
+    from dartree_ext.decoding.phases import leading_at_least, propose
     prob = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.4], [0.6, 0.3, 0.9, 0.9, 0.9], [0.1, 0.9, 0.9, 0.9, 0.9]])
-    assert _leading_at_least(prob, 0.5).tolist() == [4, 1, 0]
+    assert leading_at_least(prob, 0.5).tolist() == [4, 1, 0]
     target, drafter, prompts, refs = setup
 
     dec = SpeculativeDecoder(target, _with_vh_bias(drafter, 0.7), "chain", budget=64, early_exit=0.6)
@@ -465,7 +465,7 @@ def test_early_exit_cuts_each_chain_row_on_its_own(setup):
     run = _Run(dec, [torch.tensor([1])] * rows, 8, set(), {})
     state = _Batch(active=torch.arange(rows), pad=torch.zeros(rows, dtype=torch.int64),
                    length=torch.zeros(rows, dtype=torch.int64), root=torch.tensor([1, 2, 3]), cache=None)
-    tree, chosen = dec._tree(run, state, draft)
+    tree, chosen = propose(dec, run, state, draft)
     assert tree.num_nodes.tolist() == [1 + 4, 1 + 1, 1 + 5] and chosen is None
     assert (tree.depths[1, 2:] == -1).all() and tree.depths[2].tolist() == [0, 1, 2, 3, 4, 5]
 
@@ -596,16 +596,14 @@ def test_context_kv_kept_per_slot_equals_recomputing(setup):
     drafts = {}
     for keep in (True, False):
         dec = SpeculativeDecoder(target, drafter, "dartree", budget=16, width=4, K=8)
-        dec._context_kv = keep
+        dec.keep_context_kv = keep
         seen = []
-        original = dec._draft
 
-        def record(run, state, _orig=original, _seen=seen):
-            draft = _orig(run, state)
-            _seen.append((state.context_kv is not None, draft.base_logits.clone()))
-            return draft
-        dec._draft = record
-        out = dec.generate(ids, mask, max_new_tokens=NEW)
+        class Record(PhaseHook):
+            def exit(self, phase, state, draft, _seen=seen):
+                if phase == "draft":
+                    _seen.append((state.context_kv is not None, draft.base_logits.clone()))
+        out = dec.generate(ids, mask, max_new_tokens=NEW, hook=Record())
         drafts[keep] = (seen, out.sequences)
     (kept, seq_kept), (recomputed, seq_recomputed) = drafts[True], drafts[False]
     assert all(used for used, _ in kept) and not any(used for used, _ in recomputed)
@@ -631,21 +629,19 @@ def test_context_queued_while_the_drafter_rests_equals_making_it_every_round(set
         # verifying any draft node costs 100x a plain step: every probe plans a plain round
         dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, max_budget=16,
                                  cost_model=CostModel.from_curve({0: 1.0, 1: 100.0, 64: 200.0}))
-        dec._defer_context = defer
-        seen, flushes, original, flush = [], [], dec._draft, dec._flush_context
+        dec.defer_context = defer
+        seen, flushes = [], []
 
-        def record(run, state, _orig=original, _seen=seen):
-            draft = _orig(run, state)
-            if draft is not None:
-                _seen.append((draft.base_logits.clone(), state.active.clone(), state.past_valid.clone(),
-                              state.context[:, :state.cache_len].clone()))
-            return draft
+        class Record(PhaseHook):
+            def enter(self, phase, state, _n=flushes):
+                if phase == "context":  # the queued slots, about to be made in one batch
+                    _n.append(len(state.pending))
 
-        def count(state, _flush=flush, _n=flushes):
-            _n.append(len(state.pending))
-            _flush(state)
-        dec._draft, dec._flush_context = record, count
-        out = dec.generate(ids, mask, max_new_tokens=NEW, stop_token_ids=[stop])
+            def exit(self, phase, state, draft, _seen=seen):
+                if phase == "draft" and draft is not None:
+                    _seen.append((draft.base_logits.clone(), state.active.clone(), state.past_valid.clone(),
+                                  state.context[:, :state.cache_len].clone()))
+        out = dec.generate(ids, mask, max_new_tokens=NEW, stop_token_ids=[stop], hook=Record())
         runs[defer] = seen, flushes, out
     (deferred, batched, out_d), (every, single, out_e) = runs[True], runs[False]
     assert torch.equal(out_d.sequences, out_e.sequences)
@@ -661,3 +657,32 @@ def test_context_queued_while_the_drafter_rests_equals_making_it_every_round(set
         torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=1e-5)
         for ctx in (ctx_a, ctx_b):
             torch.testing.assert_close(ctx[live], expected[rows][:, :live.shape[1]][live], atol=1e-4, rtol=1e-4)
+
+
+def test_phase_hook_sees_every_phase_in_order_and_changes_nothing(setup):
+    """A :class:`PhaseHook` is entered and exited around the prefill and, every round, the draft,
+    tree, verify, commit and retire phases (the drafter's context and the lookup branch inside
+    them); it sees each phase's result, and the output is the same as without it."""
+    target, drafter, prompts, refs = setup
+    ids, mask = left_pad(prompts)
+    events, verdicts = [], []
+
+    class Record(PhaseHook):
+        def enter(self, phase, state):
+            events.append(("enter", phase))
+
+        def exit(self, phase, state, result):
+            events.append(("exit", phase))
+            if phase == "verify":
+                verdicts.append(result)
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget=16, width=4, K=8, lookup=4)
+    plain = dec.generate(ids, mask, max_new_tokens=NEW)
+    out = dec.generate(ids, mask, max_new_tokens=NEW, hook=Record())
+    assert torch.equal(out.sequences, plain.sequences)
+    assert events[:2] == [("enter", "prefill"), ("exit", "prefill")]
+    top = [p for kind, p in events[2:] if kind == "enter" and p not in ("context", "lookup")]
+    assert top == ["draft", "tree", "verify", "commit", "retire"] * max(r.rounds for r in out.stats.requests)
+    assert {p for _, p in events} == set(HOOK_PHASES)
+    assert sum(v.accepted[0] + 1 for v in verdicts if len(v.accepted)) > 0
+    for kind, phase in events:  # balanced: every enter has its exit
+        assert events.count(("enter", phase)) == events.count(("exit", phase))

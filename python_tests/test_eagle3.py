@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
-from dartree_ext.decoding import decoder as decoder_module  # noqa: E402
+from dartree_ext.decoding import phases as phases_module  # noqa: E402
 from dartree_ext.decoding.eagle import draft_eagle3_tree  # noqa: E402
 from dartree_ext.models import BlockDrafter, Eagle3Drafter  # noqa: E402
 from dartree_ext.models import oracle_stop_rule  # noqa: E402
@@ -194,14 +194,14 @@ def test_batched_drafts_equal_single_request_drafts(setup, monkeypatch):
     the tree it gets alone: the per-slot context (with each slot's next token) is kept right."""
     target, _, drafter, prompts, refs = setup
     trees = []
-    original = decoder_module.eagle3_draft
+    original = phases_module.eagle3_draft
 
     def recording(d, state, **kw):
         tree = original(d, state, **kw)
         trees.append((state.active.tolist(), tree))
         return tree
 
-    monkeypatch.setattr(decoder_module, "eagle3_draft", recording)
+    monkeypatch.setattr(phases_module, "eagle3_draft", recording)
     dec = SpeculativeDecoder(target, drafter, "eagle3", budget=16, width=4, K=8)
     check_greedy(dec, prompts, refs)
     batched = trees[:]
@@ -226,7 +226,7 @@ def test_each_round_drafts_from_the_committed_sequence(setup, monkeypatch):
     target, _, drafter, prompts, refs = setup
     seqs = [torch.cat([p, r]) for p, r in zip(prompts, refs)]
     checked = []
-    original = decoder_module.eagle3_draft
+    original = phases_module.eagle3_draft
 
     def checking(d, state, **kw):
         tree = original(d, state, **kw)
@@ -243,7 +243,7 @@ def test_each_round_drafts_from_the_committed_sequence(setup, monkeypatch):
             checked.append(root)
         return tree
 
-    monkeypatch.setattr(decoder_module, "eagle3_draft", checking)
+    monkeypatch.setattr(phases_module, "eagle3_draft", checking)
     out = check_greedy(SpeculativeDecoder(target, drafter, "eagle3", budget=16, width=4, K=8), prompts, refs)
     assert out.stats.tau > 2.0 and len(checked) == out.stats.rounds
 
@@ -414,13 +414,13 @@ def test_greedy_equals_generate(setup, method):
 
 def record_draft_steps(monkeypatch, dec=None) -> list:
     """Each EAGLE-3 drafting call's ``steps`` (with ``dec``: ``(dec's back-off, steps)``), in order."""
-    calls, draft = [], decoder_module.eagle3_draft
+    calls, draft = [], phases_module.eagle3_draft
 
     def recording(*a, **kw):
         calls.append(kw["steps"] if dec is None else (dec.sizing.backoff, kw["steps"]))
         return draft(*a, **kw)
 
-    monkeypatch.setattr(decoder_module, "eagle3_draft", recording)
+    monkeypatch.setattr(phases_module, "eagle3_draft", recording)
     return calls
 
 
@@ -529,7 +529,7 @@ def test_early_exit_cuts_the_depth_at_the_predicted_rejection(setup, monkeypatch
             return torch.full(normed.shape[:-1], 5.0 if len(calls) <= self.yes_steps else -5.0)
 
     depths = []
-    original = decoder_module.eagle3_draft
+    original = phases_module.eagle3_draft
 
     def recording(d, state, **kw):
         calls.clear()
@@ -537,7 +537,7 @@ def test_early_exit_cuts_the_depth_at_the_predicted_rejection(setup, monkeypatch
         depths.append(int(tree.depths.max()))
         return tree
 
-    monkeypatch.setattr(decoder_module, "eagle3_draft", recording)
+    monkeypatch.setattr(phases_module, "eagle3_draft", recording)
     head = trained.verification_head
     try:
         for yes_steps, max_depth in ((2, 2), (0, 0), (STEPS, STEPS)):

@@ -70,7 +70,7 @@ class LookupStats:
     (``agree_hits`` / ``agree_trials``). The two differ: where the continuation agrees with the
     drafter's tree both are likely right, and where it departs from it the drafter's own node was
     often the right one, so one table over both would price a new node too high. Only new nodes
-    add expected tokens to a round (:meth:`SpeculativeDecoder._lookup_steps`)."""
+    add expected tokens to a round (:meth:`AutoBudget.lookup_steps <dartree_ext.decoding.sizing.AutoBudget.lookup_steps>`)."""
 
     # The prior's centre: depth 1 by n-gram length 1, 2, 3, >= 4, then every depth >= 2; per
     # regime ("greedy": T = 0, "sample": T > 0), rounded from what SmolLM2's decoding learned for

@@ -26,7 +26,7 @@ def sampled_chain(base_logits: torch.Tensor, root: torch.Tensor, vocab: torch.Te
     """``sampled_draft`` at T > 0: a chain whose token at each depth is drawn from the drafter's
     distribution there (``softmax(base_logits / temperature)``, block-parallel, so each
     depth's distribution is known whatever was drawn before it), and those distributions over
-    the draft vocabulary (:class:`DraftQ`; :meth:`SpeculativeDecoder._verify` accepts each token with
+    the draft vocabulary (:class:`DraftQ`; :func:`~dartree_ext.decoding.phases.verify` accepts each token with
     :func:`~dartree_ext.sampling.speculative_tokens`).
 
     Its scores are the top-1 chain's (cumulative log-probability of each depth's most likely

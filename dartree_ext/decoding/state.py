@@ -126,9 +126,9 @@ class GenerationOutput:
     stats: DecodingStats
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Verdict:
-    """What verifying one round's trees decided, per row."""
+    """What verifying one round's trees decided, per row (:meth:`read`)."""
 
     accept_nodes: torch.Tensor  # int32[B, N]: the accepted path's node indices (root first, -1 after)
     accept_len: torch.Tensor    # int32[B]: accepted draft tokens
@@ -137,23 +137,44 @@ class Verdict:
     hidden_states: tuple | None  # the target's hidden states over the tree (for the drafter's context)
     # host copies, fetched in one transfer: accepted draft tokens, bonus token, draft nodes, the
     # tokens along each row's accepted path (root first) and every node's depth
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    bonus_tokens: list[int] = dataclasses.field(default_factory=list)
-    sizes: list[int] = dataclasses.field(default_factory=list)
-    paths: list[list[int]] = dataclasses.field(default_factory=list)
-    depths: list[list[int]] = dataclasses.field(default_factory=list)
+    accepted: list[int]
+    bonus_tokens: list[int]
+    sizes: list[int]
+    paths: list[list[int]]
+    depths: list[list[int]]
 
-    def fetch(self, tree: Tree) -> None:
-        """Everything the host needs from the round, in one device-to-host transfer."""
+    @classmethod
+    def read(cls, tree: Tree, accept_nodes: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor,
+             target_tokens: torch.Tensor, hidden_states: tuple | None) -> "Verdict":
+        """The verdict on ``tree``, with everything the host needs from the round fetched in one
+        device-to-host transfer."""
         n = tree.tokens.shape[1]
-        path = tree.tokens.gather(1, self.accept_nodes.long().clamp(min=0))
-        host = torch.cat([self.accept_len.long()[:, None], self.bonus[:, None], (tree.num_nodes - 1).long()[:, None],
+        path = tree.tokens.gather(1, accept_nodes.long().clamp(min=0))
+        host = torch.cat([accept_len.long()[:, None], bonus[:, None], (tree.num_nodes - 1).long()[:, None],
                           path, tree.depths.long()], 1).tolist()
-        self.accepted = [h[0] for h in host]
-        self.bonus_tokens = [h[1] for h in host]
-        self.sizes = [h[2] for h in host]
-        self.paths = [h[3:3 + n] for h in host]
-        self.depths = [h[3 + n:] for h in host]
+        return cls(accept_nodes, accept_len, bonus, target_tokens, hidden_states,
+                   accepted=[h[0] for h in host], bonus_tokens=[h[1] for h in host], sizes=[h[2] for h in host],
+                   paths=[h[3:3 + n] for h in host], depths=[h[3 + n:] for h in host])
+
+
+class PhaseHook:
+    """Observes the phases of a ``generate`` call (``SpeculativeDecoder.generate(..., hook=...)``):
+    :meth:`enter` before and :meth:`exit` after each of :data:`HOOK_PHASES`. ``batch`` is the
+    call's :class:`Batch` (``None`` when entering ``prefill``, which makes it), ``result`` what the
+    phase returned (the draft, ``(tree, chosen)``, the :class:`Verdict`, ...). Subclass and
+    override either; a hook is for timing, profiling and inspection: it must not change what it is
+    given."""
+
+    def enter(self, phase: str, batch: "Batch | None") -> None:
+        pass
+
+    def exit(self, phase: str, batch: "Batch | None", result) -> None:
+        pass
+
+
+# the phases a PhaseHook sees: the round's, and inside them the drafter's context made for
+# committed slots ("context") and the lookup branch grafted ("lookup")
+HOOK_PHASES = ("prefill", "draft", "tree", "verify", "commit", "retire", "context", "lookup")
 
 
 def context_vectors(drafter, eagle3: bool, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -287,8 +308,9 @@ class Session:
 
     def __init__(self, decoder, prompts: list[torch.Tensor], max_new_tokens: int,
                  stop: set[int], sampling: dict, sizing=None, corpus=None, lookup_stats=None,
-                 corpus_stats=None) -> None:
+                 corpus_stats=None, hook: PhaseHook | None = None) -> None:
         target = decoder.target
+        self.hook = hook
         self.device = prompts[0].device
         self.dtype = next(target.parameters()).dtype
         self.drafting = decoder.drafter is not None and decoder.spec.drafts
