@@ -17,7 +17,8 @@ import os
 import torch
 
 from dartree_ext.decoding import SpeculativeDecoder, left_pad
-from dartree_ext.decoding.cost import DepthCalibrator, CostModel
+from dartree_ext.decoding.calibration import DepthCalibrator
+from dartree_ext.decoding.cost import CostModel
 from dartree_ext.decoding.decoder import AUTO_METHODS, drafter_fits
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, stop_tokens
 from dartree_ext.models.drafter import CALIBRATION_NAME

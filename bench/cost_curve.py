@@ -11,7 +11,7 @@ best.
     python bench/cost_curve.py                                      # 3 runs of 20 pairs a size
     python bench/cost_curve.py --json bench/results/<cpu>/cost_curve.json
 
-Fits: `paired` and `fastest` (`dartree_ext.decoding.cost.fit_curve`; `fastest` here reads the
+Fits: `paired` and `fastest` (`dartree_ext.decoding.profiling.fit_curve`; `fastest` here reads the
 plain step's fastest time over all the group's pairs, more samples than each size has), and
 `spline` (a candidate kept here: the paired medians least-squares fitted to a linear spline with
 knots at 0, 1, 16, 32 and 64 nodes, those up to the largest size measured).
@@ -32,7 +32,8 @@ import time
 import torch
 
 from dartree_ext.cli import _load_for_generate, build_generate_parser
-from dartree_ext.decoding.cost import CostModel, choose_size, isotonic
+from dartree_ext.decoding.calibration import isotonic
+from dartree_ext.decoding.cost import CostModel, choose_size
 from dartree_ext.decoding.profiling import _curve_samples, _Timer, fit_curve
 
 PROFILE = (0.0, 0.385, 0.555, 0.676, 0.756, 0.822, 0.87, 0.908, 0.945, 0.979, 1.013, 1.044, 1.074, 1.103, 1.129,

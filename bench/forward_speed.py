@@ -15,7 +15,7 @@ positions=p)``, what ``budget="auto"`` asks for) against all of them.
 Part 1 runs 60 distinct [1536, 576] weights (SmolLM2's MLP shape, 53M parameters, more than the
 caches hold) through each implementation, best of 5, every implementation in turn at each row
 count. Part 2 times the target's forward over n new tokens after a 200-token cache
-(:func:`dartree_ext.decoding.cost.forward_ms`; median of --reps, the two linears in turn). Ratios
+(:func:`dartree_ext.decoding.profiling.forward_ms`; median of --reps, the two linears in turn). Ratios
 are torch / few_rows: above 1, few_rows is faster. --layers runs the target's own linear weights
 (bfloat16, every layer in the model's order: one forward's weight traffic, the 211 layers of
 SmolLM2-135M with its output head) through ``few_rows_linear`` and its forced FMA / VDPBF16PS

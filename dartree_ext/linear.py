@@ -4,7 +4,7 @@ On a CPU a verification forward runs every linear layer of the target over root 
 few dozen at most). A library GEMM packs the weight matrix on every call once there is more than
 one row, so its time grows with the rows long before the arithmetic does; ``few_rows_linear``
 reads each weight row once and dots it with all the rows. Whether that is faster depends on the
-CPU: :func:`dartree_ext.decoding.cost.choose_forward` measures it (with the dtype) and the CLIs
+CPU: :func:`dartree_ext.decoding.profiling.choose_forward` measures it (with the dtype) and the CLIs
 use what it picks.
 
     from dartree_ext.linear import use_few_rows_linear

@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("transformers")
 
 from dartree_ext.decoding import SpeculativeDecoder  # noqa: E402
-from dartree_ext.decoding import cost as costmod  # noqa: E402
+from dartree_ext.decoding import calibration  # noqa: E402
 from dartree_ext.decoding import profiling  # noqa: E402
-from dartree_ext.decoding.cost import (AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator,  # noqa: E402
-                                       choose_size)
+from dartree_ext.decoding.calibration import AcceptanceCalibrator, AcceptanceLevel, DepthCalibrator  # noqa: E402
+from dartree_ext.decoding.cost import CostModel, choose_size  # noqa: E402
 from dartree_ext.decoding.methods import AUTO_METHODS, EAGLE3_METHODS  # noqa: E402
 from dartree_ext.decoding.sizing import PROBE_DEPTH  # noqa: E402
 from dartree_ext.models import LookupDrafter  # noqa: E402
@@ -140,22 +140,22 @@ def _isotonic_reference(values, weights):
 
 
 def test_isotonic_fit():
-    assert costmod.isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
-    assert costmod.isotonic([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
-    assert costmod.isotonic([3.0, 1.0, 2.0], increasing=False) == [3.0, 1.5, 1.5]
-    assert costmod.isotonic([]) == []
+    assert calibration.isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert calibration.isotonic([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
+    assert calibration.isotonic([3.0, 1.0, 2.0], increasing=False) == [3.0, 1.5, 1.5]
+    assert calibration.isotonic([]) == []
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         n = int(torch.randint(1, 9, (1,), generator=gen))
         values = torch.randn(n, generator=gen).tolist()
         weights = (torch.rand(n, generator=gen) + 0.1).tolist()
-        got = costmod.isotonic(values, weights)
+        got = calibration.isotonic(values, weights)
         assert got == pytest.approx(_isotonic_reference(values, weights), abs=1e-9)
         assert all(b >= a - 1e-12 for a, b in zip(got, got[1:]))
-        down = costmod.isotonic(values, weights, increasing=False)
+        down = calibration.isotonic(values, weights, increasing=False)
         assert down == pytest.approx([-v for v in _isotonic_reference([-v for v in values], weights)], abs=1e-9)
     with pytest.raises(ValueError, match="weights"):
-        costmod.isotonic([1.0, 2.0], [1.0])
+        calibration.isotonic([1.0, 2.0], [1.0])
 
 
 def _count_forward_tokens(target, monkeypatch) -> list[int]:
@@ -192,7 +192,7 @@ def test_measured_curve_times_each_size_in_pairs_with_a_plain_step(cache_dir, mo
             return 10.0 + (calls[-1] - 1) + (pair * 7) % 13 + (50.0 if self.count <= per_pass else 0.0)
 
     monkeypatch.setattr(profiling, "_Timer", Timer)
-    cost = costmod.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
+    cost = profiling.measure_cost_model(target, None, nodes=nodes, contexts=contexts, reps=reps)
     timed = [n - 1 for n in calls][-(reps + 1) * per_pass:]
     passes = [timed[i * per_pass:(i + 1) * per_pass] for i in range(reps + 1)]
     first = {}  # per size, which forward of its pair came first, pass by pass
@@ -241,10 +241,10 @@ def test_paired_fit_cancels_a_drifting_machine_and_a_stall():
     pairs = {n: [(10.0 + d, 10.0 + d + n) for d in ds] for n, ds in drift.items()}
     pairs[4][1] = (pairs[4][1][0], pairs[4][1][1] + 40.0)  # a stall on one tree forward
     pairs[2][3] = (pairs[2][3][0] + 40.0, pairs[2][3][1])  # ... and on one plain step
-    curve = costmod.fit_curve(nodes, pairs)
+    curve = profiling.fit_curve(nodes, pairs)
     assert [c - curve[0] for c in curve] == pytest.approx([float(n) for n in nodes])
     assert curve[0] == pytest.approx(10.5)  # the plain step's fastest time
-    fastest = costmod.fit_curve(nodes, pairs, "fastest")
+    fastest = profiling.fit_curve(nodes, pairs, "fastest")
     assert [c - fastest[0] for c in fastest] != pytest.approx([float(n) for n in nodes], abs=0.5)
 
 
@@ -256,26 +256,26 @@ def test_fastest_fit_keeps_the_fastest_repetition_and_pools_noise():
     pairs = {n: list(zip(plains, ts)) for n, ts in plan.items()}
     # fastest: 10, 11, 10.5, 12 -> 11 and 10.5 pooled; the median with a running maximum
     # would give 10, 15, 15, 15
-    assert costmod.fit_curve([0, 1, 2, 4], pairs, "fastest") == pytest.approx([10.0, 10.75, 10.75, 12.0])
+    assert profiling.fit_curve([0, 1, 2, 4], pairs, "fastest") == pytest.approx([10.0, 10.75, 10.75, 12.0])
 
 
 def test_fit_curve_rejects_bad_input():
     pairs = {1: [(10.0, 11.0)], 2: [(10.0, 12.0)]}
     with pytest.raises(ValueError, match="fit must be one of"):
-        costmod.fit_curve([0, 1, 2], pairs, "mean")
+        profiling.fit_curve([0, 1, 2], pairs, "mean")
     with pytest.raises(ValueError, match=r"no pairs timed for tree sizes \[4\]"):
-        costmod.fit_curve([0, 1, 2, 4], pairs)
+        profiling.fit_curve([0, 1, 2, 4], pairs)
     with pytest.raises(ValueError, match="starting at 0"):
-        costmod.fit_curve([1, 2], pairs)
+        profiling.fit_curve([1, 2], pairs)
     with pytest.raises(ValueError, match="starting at 0"):
-        costmod.fit_curve([0], {})
+        profiling.fit_curve([0], {})
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="fit must be one of"):
-        costmod.measure_cost_model(target, None, nodes=[0, 1], contexts=[8], reps=1, fit="mean")
+        profiling.measure_cost_model(target, None, nodes=[0, 1], contexts=[8], reps=1, fit="mean")
     with pytest.raises(ValueError, match="tree size besides 0"):
-        costmod.measure_cost_model(target, None, nodes=[0], contexts=[8], reps=1)
+        profiling.measure_cost_model(target, None, nodes=[0], contexts=[8], reps=1)
     with pytest.raises(ValueError, match="reps >= 1"):
-        costmod.measure_cost_model(target, None, nodes=[0, 2], contexts=[8], reps=0)
+        profiling.measure_cost_model(target, None, nodes=[0, 2], contexts=[8], reps=0)
 
 
 # the calibrator ---------------------------------------------------------------------------------
@@ -383,7 +383,7 @@ def test_measure_cost_model_tiny(cache_dir):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     builders = {m: SpeculativeDecoder(target, drafter, m, budget=8, width=4, K=8).build_tree for m in ("ddtree", "dartree")}
-    cost = costmod.measure_cost_model(target, drafter, methods=["ddtree", "dartree", "chain"], nodes=[0, 2, 8],
+    cost = profiling.measure_cost_model(target, drafter, methods=["ddtree", "dartree", "chain"], nodes=[0, 2, 8],
                                       contexts=[8, 32], reps=1, tree_builders=builders)
     assert cost.nodes == [0, 2, 8] and cost.contexts == [8, 32]
     for row in cost.verify_ms:
@@ -405,7 +405,7 @@ def test_drafter_pass_is_timed_as_the_decoder_runs_it(cache_dir, monkeypatch):
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(drafter), "forward", spy)
-    costmod.measure_cost_model(target, drafter, methods=["chain"], nodes=[0, 2], contexts=[8, 32], reps=2)
+    profiling.measure_cost_model(target, drafter, methods=["chain"], nodes=[0, 2], contexts=[8, 32], reps=2)
     assert calls and all(calls)
 
 
@@ -421,36 +421,36 @@ def test_cache_is_keyed_and_invalidated(cache_dir, monkeypatch):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     kw = dict(methods=["dartree"], nodes=[0, 4], contexts=[16])
-    first = costmod.cached_cost_model(target, drafter, **kw)
+    first = profiling.cached_cost_model(target, drafter, **kw)
     assert len(calls) == 1
-    assert costmod.cached_cost_model(target, drafter, **kw) == first and len(calls) == 1   # read back
-    costmod.cached_cost_model(target, drafter, refresh=True, **kw)
+    assert profiling.cached_cost_model(target, drafter, **kw) == first and len(calls) == 1   # read back
+    profiling.cached_cost_model(target, drafter, refresh=True, **kw)
     assert len(calls) == 2
     threads = torch.get_num_threads()
     try:                                                  # another thread count is another machine setup
         torch.set_num_threads(threads + 1)
-        costmod.cached_cost_model(target, drafter, **kw)
+        profiling.cached_cost_model(target, drafter, **kw)
         assert len(calls) == 3
     finally:
         torch.set_num_threads(threads)
-    costmod.cached_cost_model(target.to(torch.bfloat16), drafter, **kw)      # another dtype
+    profiling.cached_cost_model(target.to(torch.bfloat16), drafter, **kw)      # another dtype
     assert len(calls) == 4
     target.to(torch.float32)
     other = tiny_target("llama", layers=2)                                    # another model
-    costmod.cached_cost_model(other, tiny_drafter(other), **kw)
+    profiling.cached_cost_model(other, tiny_drafter(other), **kw)
     assert len(calls) == 5
-    costmod.cached_cost_model(target, drafter, methods=["ddtree"], nodes=[0, 4], contexts=[16])  # other methods
+    profiling.cached_cost_model(target, drafter, methods=["ddtree"], nodes=[0, 4], contexts=[16])  # other methods
     assert len(calls) == 6
     # a corrupted or foreign file is measured again, not trusted
-    path = profiling._key_path(costmod.cost_key(target, drafter, "cpu", [0, 4], [16], ["dartree"]))
+    path = profiling._key_path(profiling.cost_key(target, drafter, "cpu", [0, 4], [16], ["dartree"]))
     with open(path, "w") as f:
         f.write("{not json")
-    costmod.cached_cost_model(target, drafter, **kw)
+    profiling.cached_cost_model(target, drafter, **kw)
     assert len(calls) == 7
     saved = json.load(open(path))
     saved["meta"]["key"]["torch"] = "0.0"
     json.dump(saved, open(path, "w"))
-    costmod.cached_cost_model(target, drafter, **kw)
+    profiling.cached_cost_model(target, drafter, **kw)
     assert len(calls) == 8
     assert len(os.listdir(cache_dir / "cost")) == 5   # one file per key
 
@@ -465,13 +465,13 @@ def test_choose_dtype_is_cached(cache_dir, monkeypatch):
 
     monkeypatch.setattr(profiling, "forward_ms", fake_forward)
     target = tiny_target("llama")
-    dtype, ms = costmod.choose_dtype(target, tokens=(1, 9))
+    dtype, ms = profiling.choose_dtype(target, tokens=(1, 9))
     assert dtype == torch.bfloat16 and ms == {"float32": 10.0, "bfloat16": 6.0}
     assert next(target.parameters()).dtype == torch.float32          # measured on a copy
     assert len(calls) == 3 * 2 * 2                    # every dtype and size, 3 repetitions in turn
-    assert costmod.choose_dtype(target, tokens=(1, 9))[0] == torch.bfloat16 and len(calls) == 12
+    assert profiling.choose_dtype(target, tokens=(1, 9))[0] == torch.bfloat16 and len(calls) == 12
     times[torch.bfloat16] = 8.0
-    assert costmod.choose_dtype(target, tokens=(1, 9), refresh=True)[0] == torch.float32
+    assert profiling.choose_dtype(target, tokens=(1, 9), refresh=True)[0] == torch.float32
 
 
 # decoding with budget="auto" -------------------------------------------------------------------

@@ -491,7 +491,8 @@ def test_score_estimator_expected_accepted_by_hand(setup, estimator):
     """E[n] from calibrated scores on a hand-built batch of two: each row's nodes best first
     (ties in node order), padding and the root left out, the rows' sums added; the adaptive
     level scales node d's probability by factor**d (capped)."""
-    from dartree_ext.decoding.cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator
+    from dartree_ext.decoding.calibration import AcceptanceCalibrator, AcceptanceLevel, DepthCalibrator
+    from dartree_ext.decoding.cost import CostModel
     from dartree_ext.tree import Tree
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,
@@ -516,7 +517,8 @@ def test_score_estimator_expected_accepted_random_trees(setup, estimator):
     """E[n] from calibrated scores (plain Python per round) against the same sums in NumPy on
     random batches: padding past each row's nodes, grafted nodes without a score (-inf), tied
     scores, a calibration with counts, and the adaptive level's factor."""
-    from dartree_ext.decoding.cost import AcceptanceLevel, CostModel, DepthCalibrator
+    from dartree_ext.decoding.calibration import AcceptanceLevel, DepthCalibrator
+    from dartree_ext.decoding.cost import CostModel
     from dartree_ext.tree import Tree
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, drafter, "dartree", budget="auto", estimator=estimator,

@@ -484,7 +484,7 @@ def test_cost_model_of_an_eagle3_drafter(setup):
     """The cost model times the target's curve for an EAGLE-3 drafter and leaves its drafting to
     the decoder's running correction (draft_ms 0, no tree times), which the first drafted
     round sets; estimator 'vh' (a block drafter's head per position) is refused."""
-    from dartree_ext.decoding.cost import measure_cost_model
+    from dartree_ext.decoding.profiling import measure_cost_model
     target, _, trained, prompts, refs = setup
     cost = measure_cost_model(target, trained, methods=["eagle3"], nodes=[0, 4, 8], contexts=[16], reps=1)
     assert cost.draft_ms == 0.0 and cost.tree_ms == {} and len(cost.verify_ms[0]) == 3

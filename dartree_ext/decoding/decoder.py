@@ -25,7 +25,8 @@ from ..models.eagle3 import Eagle3Drafter
 from ..tree import Tree
 from . import phases
 from .config import CORPUS_OFF, DecodingConfig, DecodingConfigWarning, resolve
-from .cost import AcceptanceCalibrator, CostModel, DepthCalibrator
+from .calibration import AcceptanceCalibrator, DepthCalibrator
+from .cost import CostModel
 from .eagle import StopRule
 from .hf import check_prompts
 from .lookup import CorpusIndex

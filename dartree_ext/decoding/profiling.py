@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 
-from .cost import CostModel, isotonic
+from .calibration import isotonic
+from .cost import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,29 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size)
 
 
+def _primed_caches(target: torch.nn.Module, contexts: list[int], vocab: int, cache_kw: str,
+                   gen: torch.Generator) -> tuple[list, list[torch.Tensor]]:
+    """Per context length: a cache holding that many random tokens, and its ``bool[1, ctx]``
+    visibility."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    caches, pasts = [], []
+    for ctx in contexts:
+        cache = DynamicCache(config=target.config)
+        if ctx > 0:
+            ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
+            target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        caches.append(cache)
+        pasts.append(torch.ones(1, ctx, dtype=torch.bool, device=device))
+    return caches, pasts
+
+
 def _curve_samples(target: torch.nn.Module, need_hidden: bool, nodes: list[int], contexts: list[int], reps: int,
                    progress: bool, timer: _Timer, gen: torch.Generator) -> list[dict[int, list[tuple[float, float]]]]:
     """Per context: ``{n: [(plain ms, tree ms), ...]}``, ``reps`` pairs for each ``n > 0`` in ``nodes``:
     the target forward over the root alone and over root + ``n`` nodes, timed back to back (see
     :func:`measure_cost_model`)."""
-    from transformers import DynamicCache
-
     from .. import ops
     param = next(target.parameters())
     device, dtype = param.device, param.dtype
@@ -165,14 +182,7 @@ def _curve_samples(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(points) * (reps + 1) * 2, desc="cost model: target", unit="fwd")
-    caches, pasts = [], []
-    for ctx in contexts:
-        cache = DynamicCache(config=target.config)
-        if ctx > 0:
-            ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
-            target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        caches.append(cache)
-        pasts.append(torch.ones(1, ctx, dtype=torch.bool, device=device))
+    caches, pasts = _primed_caches(target, contexts, vocab, cache_kw, gen)
 
     def time_point(c: int, n: int) -> float:
         ctx, cache = contexts[c], caches[c]

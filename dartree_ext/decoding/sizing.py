@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..tree import Tree, prune
-from .cost import AcceptanceCalibrator, AcceptanceLevel, CostModel, DepthCalibrator, choose_size, running_average
+from .calibration import AcceptanceCalibrator, AcceptanceLevel, DepthCalibrator
+from .cost import CostModel, choose_size, running_average
 from .lookup import LookupStats, new_nodes
 from .stopping import Backoff
 from .trees import plain_tree
