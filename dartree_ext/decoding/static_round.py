@@ -40,6 +40,7 @@ from ..tree import build_dartree
 from .cache import cache_layers
 from .config import COMPILED, TREE_DEFAULTS, DecodingConfig, resolve
 from .cost import running_average
+from .state import PHASES, DecodingStats, RequestStats
 from .stopping import Backoff, emit
 from .hf import additive_mask, text_config
 
@@ -282,62 +283,88 @@ class StaticRound(torch.nn.Module):
                  eos_token_id: int | Sequence[int] | None = None, plain: bool = False,
                  adaptive: bool = False) -> tuple[list[torch.Tensor], dict]:
         """Decode every prompt for ``max_new_tokens`` tokens (fewer at a stop token in
-        ``eos_token_id``, an id or several, which is kept). Returns the new tokens per prompt and ``{"rounds", "plain_steps", "tau"}`` (tau:
-        new tokens per call, rounds and plain steps together, averaged over rows).
+        ``eos_token_id``, an id or several, which is kept). Returns the new tokens per prompt and
+        ``{"rounds", "plain_steps", "tau", "stats"}``: tau is new tokens per call, rounds and plain
+        steps together, averaged over rows; ``stats`` the call's
+        :class:`~dartree_ext.decoding.state.DecodingStats`, as the eager decoder returns them (per
+        request the draft tokens accepted per call and why it finished; the prefill's time, each
+        compiled call's under ``verify``, the host's bookkeeping under ``bookkeeping``).
         ``compile``: compiled rounds and steps (:meth:`compiled`); ``plain``: plain steps only
         (:meth:`plain_step`); ``adaptive``: a plain step instead of a round while rounds, by
         their measured tokens per second, do not pay (:class:`_Pacer`: 1, 2, 4 ... 16 plain
         steps, then a round again; the drafter's context is kept through them)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if plain and adaptive:
-            raise ValueError("plain=True runs plain steps only; adaptive=True chooses between them and rounds")
+        _check_generate(max_new_tokens, temperature, plain, adaptive)
         stops = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        clock = time.perf_counter()
         self.prefill(prompts)
+        stats = DecodingStats("ar" if plain else "dartree", [RequestStats(int(p.numel())) for p in prompts],
+                              {p: 0.0 for p in PHASES})
+        stats.time["prefill"] = time.perf_counter() - clock
         temper = torch.tensor(float(temperature), device=self.device)
         out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        calls = [0] * len(prompts)
         counts = {"round": 0, "plain": 0}
         write = int(self.write)
         checked: set[str] = set()  # step kinds that have run once, with their guards, in this call
         pacer = _Pacer() if adaptive else None
-        while not all(done):
+        while not all(r.finish_reason for r in stats.requests):
             kind = "plain" if plain else "round" if pacer is None or pacer.round_next() else "plain+context"
-            nodes = self.nodes if kind == "round" else 1
-            if write + nodes > self.max_length:
-                raise RuntimeError(f"the cache is full ({self.max_length} slots): raise max_length")
-            args = ()
-            if temperature > 0:
-                args = (torch.rand(self.batch_size, nodes, generator=generator, device=self.device), temper)
-            fn = self._step(kind, compile, mode)
-            start = time.perf_counter()
-            if compile and kind in checked:
-                tokens, count = _unguarded(fn, args)
-            else:
-                tokens, count = fn(*args)
-            # one device-to-host read a call: the new tokens, their counts and the write slot
-            host = torch.cat([count[:, None], tokens, self.length[:, None]], 1).tolist()
-            seconds = time.perf_counter() - start
-            live = [b for b in range(len(host)) if not done[b]]
+            host, seconds = self._call(kind, compile and kind in checked, self._step(kind, compile, mode),
+                                       temperature, temper, generator, write)
+            clock = time.perf_counter()
+            live = [b for b, r in enumerate(stats.requests) if not r.finish_reason]
             if pacer is not None and (kind in checked or not compile):  # a first compiled call compiles
                 pacer.observe(kind == "round", sum(host[b][0] for b in live) / len(live), seconds)
             checked.add(kind)
             counts["round" if kind == "round" else "plain"] += 1
-            for b in live:
-                calls[b] += 1
-                if emit(out[b], host[b][1:1 + host[b][0]], stops, max_new_tokens):
-                    done[b] = True
-                    self.live[b] = False  # its caches stay; it no longer moves the write slot
-            live_lengths = [host[b][-1] for b in range(len(host)) if not done[b]]
-            if live_lengths and len(live_lengths) < len(live):  # a row finished: the write slot follows the rest
-                self.write.fill_(max(live_lengths))
-            write = max(live_lengths, default=write)
-        tau = sum(len(o) for o in out) / max(1, sum(calls))
+            write = self._retire(host, live, out, stats, stops, max_new_tokens, write)
+            stats.time["verify"] += seconds
+            stats.time["bookkeeping"] += time.perf_counter() - clock
+        tau = stats.new_tokens / max(1, stats.rounds)
         return ([torch.tensor(o, dtype=torch.int64) for o in out],
-                {"rounds": counts["round"], "plain_steps": counts["plain"], "tau": tau})
+                {"rounds": counts["round"], "plain_steps": counts["plain"], "tau": tau, "stats": stats})
+
+    def _call(self, kind: str, unguarded: bool, fn, temperature: float, temper: torch.Tensor,
+              generator: torch.Generator | None, write: int) -> tuple[list[list[int]], float]:
+        """One round or plain step (``fn``, compiled or not; ``unguarded``: its guards passed
+        earlier in the call): per row, the count of new tokens, the tokens and the row's cache
+        length, read in one device-to-host transfer, and the call's seconds."""
+        nodes = self.nodes if kind == "round" else 1
+        if write + nodes > self.max_length:
+            raise RuntimeError(f"the cache is full ({self.max_length} slots): raise max_length")
+        args = ()
+        if temperature > 0:
+            args = (torch.rand(self.batch_size, nodes, generator=generator, device=self.device), temper)
+        start = time.perf_counter()
+        tokens, count = _unguarded(fn, args) if unguarded else fn(*args)
+        host = torch.cat([count[:, None], tokens, self.length[:, None]], 1).tolist()
+        return host, time.perf_counter() - start
+
+    def _retire(self, host: list[list[int]], live: list[int], out: list[list[int]], stats: DecodingStats,
+                stops: set[int], max_new_tokens: int, write: int) -> int:
+        """One call's tokens into each live row's output and statistics (:func:`emit`: a stop token
+        or ``max_new_tokens`` finishes a row, whose caches stay but no longer move the write
+        slot); the next write slot."""
+        for b in live:
+            rs = stats.requests[b]
+            rs.accepted.append(host[b][0] - 1)
+            done = emit(out[b], host[b][1:1 + host[b][0]], stops, max_new_tokens)
+            rs.new_tokens = len(out[b])
+            if done:
+                rs.finish_reason = done
+                self.live[b] = False
+        live_lengths = [host[b][-1] for b, r in enumerate(stats.requests) if not r.finish_reason]
+        if live_lengths and len(live_lengths) < len(live):  # a row finished: the write slot follows the rest
+            self.write.fill_(max(live_lengths))
+        return max(live_lengths, default=write)
+
+
+def _check_generate(max_new_tokens: int, temperature: float, plain: bool, adaptive: bool) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if plain and adaptive:
+        raise ValueError("plain=True runs plain steps only; adaptive=True chooses between them and rounds")
 
 
 class _Pacer:
