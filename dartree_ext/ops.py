@@ -533,7 +533,7 @@ def _tokens_from_logits_fake(logits, uniforms, temperature):
     return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
-# the ops that force one path of few_rows_linear (tests, bench/forward_speed.py): the same shapes
+# the ops that force one path of few_rows_linear (tests, bench/analysis/forward_speed.py): the same shapes
 for _path in ("portable", "avx2", "avx512", "avx512_bf16"):
     torch.library.register_fake(f"dartree_ext::few_rows_linear_{_path}")(_few_rows_linear_fake)
 

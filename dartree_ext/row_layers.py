@@ -166,7 +166,7 @@ def _modeling_modules(model: torch.nn.Module) -> list[types.ModuleType]:
 def vector_silu() -> bool:
     """Whether ``silu_mul`` runs a vector build here (AVX2 + FMA or AVX-512). Its baseline x86-64
     build (two SSE registers a vector, no FMA) is several times slower than PyTorch's activation
-    (``bench/ops.py --only rows``), so without one the MLPs (and the drafter's) keep PyTorch's."""
+    (``bench/ops/ops.py --only rows``), so without one the MLPs (and the drafter's) keep PyTorch's."""
     return _VECTOR_SILU
 
 

@@ -92,9 +92,10 @@ def test_generate_cli_corpus(tmp_path, capsys):
 
 
 def _bench(name: str):
-    """The bench/ script ``name`` as a module."""
+    """The bench/ script ``name`` ("folder/script") as a module."""
+    folder, name = name.split("/")
     saved = list(sys.path)
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, os.path.join(BENCH, folder))
     try:
         return __import__(name)
     finally:
@@ -102,10 +103,10 @@ def _bench(name: str):
 
 
 def _e2e():
-    return _bench("e2e")
+    return _bench("e2e/e2e")
 
 
-@pytest.mark.parametrize("script, extra", [("round_phases", []), ("row_layers_ab", ["--repeats", "1"])])
+@pytest.mark.parametrize("script, extra", [("e2e/round_phases", []), ("analysis/row_layers_ab", ["--repeats", "1"])])
 def test_bench_scripts_on_the_generate_loader_run(script, extra):
     """bench/ scripts built on ``dartree-generate``'s loader run on the tiny target (they unpack
     what the loader returns, the corpus included). In a process of their own: ``round_phases``
@@ -118,10 +119,10 @@ def test_bench_scripts_on_the_generate_loader_run(script, extra):
 
 
 def test_vh_exit_bench_scores_hand_built_rounds(tmp_path):
-    """bench/vh_exit.py's figures on rounds worked by hand: accepted tokens a = 2, 0, 4 of K = 4;
+    """bench/analysis/vh_exit.py's figures on rounds worked by hand: accepted tokens a = 2, 0, 4 of K = 4;
     at p = 0.5 the head's cut is exact, at p = 0.7 it cuts the third round after 1 token."""
     import torch
-    vh_exit = _bench("vh_exit")
+    vh_exit = _bench("analysis/vh_exit")
     hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     prob = torch.tensor([[.9, .8, .4, .3], [.2, .9, .9, .9], [.9, .6, .6, .6]])
     wide = hits | torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # top-W hits
@@ -136,7 +137,7 @@ def test_vh_exit_bench_scores_hand_built_rounds(tmp_path):
 
 def test_vh_exit_bench_runs_on_eagle3_drafters_only(tmp_path):
     from dartree_ext.loading import load_drafter, load_target
-    vh_exit = _bench("vh_exit")
+    vh_exit = _bench("analysis/vh_exit")
     target = load_target("tiny").target
     e3, blk = tmp_path / "e3", tmp_path / "blk"
     load_drafter(None, target, eagle3=True).save_pretrained(str(e3))
@@ -261,7 +262,7 @@ def test_default_target_uses_the_shipped_drafter():
 def test_drafter_accuracy_compares_drafters_on_the_same_responses(tmp_path, capsys):
     from dartree_ext.loading import load_drafter, load_target
     saved = list(sys.path)
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, os.path.join(BENCH, "analysis"))
     try:
         import drafter_accuracy
         target = load_target("tiny").target
@@ -292,12 +293,12 @@ def test_per_depth_widths_from_the_command_line(tmp_path, capsys):
 
 
 def test_grow_drafter_keeps_the_drafts_and_trains_the_new_layer(tmp_path):
-    """A drafter grown by bench/grow_drafter.py computes what the original did (the new layer's
+    """A drafter grown by bench/build/grow_drafter.py computes what the original did (the new layer's
     output projections start at zero), and the new layer gets gradients."""
     import torch
     from dartree_ext.loading import load_drafter, load_target
     saved = list(sys.path)
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, os.path.join(BENCH, "build"))
     try:
         import grow_drafter
     finally:

@@ -353,7 +353,7 @@ def test_choose_forward_is_cached_and_keyed(cache_dir, monkeypatch):
 
 
 def test_resolve_forward_applies_the_set_up(cache_dir, monkeypatch):
-    """What dartree-generate and bench/e2e.py do with --dtype / --linear: explicit choices are
+    """What dartree-generate and bench/e2e/e2e.py do with --dtype / --linear: explicit choices are
     applied without measuring, "auto" takes choose_forward's pick, bad names are refused."""
     calls = _fake_forward_times(monkeypatch, {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0,
                                               (torch.float32, "few_rows"): 4.0, (torch.bfloat16, "few_rows"): 6.0})

@@ -192,7 +192,7 @@ def test_lookup_steps_pick_the_analytic_optimum(setup):
     target, drafter, _, _ = setup
     dec = SpeculativeDecoder(target, None, "lookup", budget="auto", lookup=3,
                              cost_model=CostModel.from_curve({0: 10.0, 100: 210.0}))
-    stats = dec.lookup_stats
+    stats = dec.learned.lookup_stats("greedy")
     stats.prior[3, :3] = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64)
     tree = dec.plain_tree(torch.tensor([1]))
     chains = [[4, 5, 6]]
@@ -414,7 +414,7 @@ def test_corpus_raises_tau_where_the_context_has_nothing(corpus_setup):
     auto = SpeculativeDecoder(target, drafter, "dartree", budget="auto", width=4, K=8, corpus=corpus,
                               cost_model=CostModel.from_curve({0: 10.0, 4096: 10.5}, draft_ms=0.1))
     out = check_greedy(auto, prompts, refs)
-    assert out.stats.corpus_accepted > 0 and auto.corpus_stats.hits.sum() > 0  # learned in its own table
+    assert out.stats.corpus_accepted > 0 and auto.learned.lookup_stats("corpus-greedy").hits.sum() > 0  # learned in its own table
     assert auto.learned.lookup_stats("greedy").hits.sum() == 0 or out.stats.lookup_rounds > out.stats.corpus_rounds
 
 
@@ -428,7 +428,7 @@ def test_corpus_lookup_samples_at_t1(corpus_setup):
                                  corpus_sampling=sampling)
         out = dec.generate(ids, mask, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
         assert all(r.new_tokens == 12 for r in out.stats.requests)
-        assert dec.corpus_stats is dec.learned.lookup_stats("corpus-sample")
+        corpus_stats = dec.learned.lookup_stats("corpus-sample")
         assert dec.learned.lookup_stats("corpus-greedy").trials.sum() == 0
-        assert (dec.corpus_stats.trials.sum() + dec.corpus_stats.agree_trials.sum() > 0) == sampling
+        assert (corpus_stats.trials.sum() + corpus_stats.agree_trials.sum() > 0) == sampling
         assert (out.stats.corpus_rounds > 0) == sampling

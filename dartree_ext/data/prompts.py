@@ -328,7 +328,7 @@ TRAINING_SOURCES = {
     "math-word-problems-2": "1200 more word problems from the same templates, another seed",
     # the fourth part (after the third)
     "magpie": "requests SmolLM2-135M-Instruct wrote itself when given its chat template up to a user turn "
-              "(Magpie; dartree_ext/data/magpie_smollm2.jsonl, made by bench/magpie_prompts.py)",
+              "(Magpie; dartree_ext/data/magpie_smollm2.jsonl, made by bench/build/magpie_prompts.py)",
     # the fifth part (after the fourth)
     "magpie-code": "Magpie requests written under a system prompt for a Python programming assistant "
                    "(dartree_ext/data/magpie_code_smollm2.jsonl)",

@@ -1,7 +1,7 @@
 """What a decoding run is asked to do, as one frozen :class:`DecodingConfig`, and the one place
 where it is resolved (:func:`resolve`).
 
-The command line (``dartree-generate``, ``bench/e2e.py``), the Python API
+The command line (``dartree-generate``, ``bench/e2e/e2e.py``), the Python API
 (:meth:`SpeculativeDecoder.from_config <dartree_ext.decoding.SpeculativeDecoder.from_config>`
 and the constructor, which builds a config from its arguments) and the compiled round all go
 through :func:`resolve`. A field left ``None`` takes the method's default, silently (the
@@ -262,7 +262,7 @@ def resolve(config: DecodingConfig) -> DecodingConfig:
     if c.depth is not None:
         _warn(f"{_flag('depth')} is read by compiled rounds only: ignored")
     budget, max_budget = _resolve_budget(c, m)
-    auto = budget == "auto" and m.name != "ar"
+    auto = c.replace(budget=budget).auto
     lookup = _resolve_lookup(c, m, auto)
     knobs = _resolve_knobs(c, m, auto)
     corpus = c.corpus
@@ -284,14 +284,5 @@ def from_args(args, **changes) -> DecodingConfig:
     return base.replace(**{**given, **changes})
 
 
-def describe(config: DecodingConfig) -> dict:
-    """A resolved config as a JSON-able dict (what a run's summary records)."""
-    out = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        out[f.name] = value if value is None or isinstance(value, (int, float, str, bool, tuple)) else repr(value)
-    return out
-
-
-__all__ = ["COMPILED", "DEFAULT_BUDGET", "DecodingConfig", "DecodingConfigWarning", "PRESETS", "describe",
+__all__ = ["COMPILED", "DEFAULT_BUDGET", "DecodingConfig", "DecodingConfigWarning", "PRESETS",
            "from_args", "preset", "resolve"]

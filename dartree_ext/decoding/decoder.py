@@ -198,8 +198,6 @@ class SpeculativeDecoder:
         self.sync_timing = sync_timing
         self.cost_model = cost_model
         self.learned = Learned(spec.name, drafter, calibrator)  # calibrators and lookup statistics, across calls
-        self.lookup_stats = self.learned.lookup_stats("greedy")
-        self.corpus_stats = self.learned.lookup_stats("corpus-greedy")
         self.running_costs = RunningCosts()  # the cost model's corrections, kept across calls
         self.sizing = self._sizing_for(0.0)  # the latest call's (a new one per generate call)
         self._head = drafter.export_head(dtype=drafter.dtype) if drafter is not None and spec.head else None
@@ -319,13 +317,13 @@ class SpeculativeDecoder:
         temperature = sampling["temperature"]
         self._ensure_cost_model()
         self.sizing = self._sizing_for(temperature)
-        self.lookup_stats = self.learned.lookup_stats("greedy" if temperature == 0 else "sample")
-        self.corpus_stats = self.learned.lookup_stats("corpus-greedy" if temperature == 0 else "corpus-sample")
+        regime = "greedy" if temperature == 0 else "sample"
         corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
         if self.corpus is not None and corpus is None and self._warn_corpus:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
                           "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
                           stacklevel=3)
         return Session(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())), sampling,
-                       self.sizing, corpus, self.lookup_stats, self.corpus_stats, hook)
+                       self.sizing, corpus, self.learned.lookup_stats(regime),
+                       self.learned.lookup_stats(f"corpus-{regime}"), hook)
 

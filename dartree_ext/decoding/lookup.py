@@ -74,10 +74,10 @@ class LookupStats:
 
     # The prior's centre: depth 1 by n-gram length 1, 2, 3, >= 4, then every depth >= 2; per
     # regime ("greedy": T = 0, "sample": T > 0), rounded from what SmolLM2's decoding learned for
-    # new nodes on prompts outside the evaluation tables (`bench/lookup_stats.py --decode 0|1`).
+    # new nodes on prompts outside the evaluation tables (`bench/analysis/lookup_stats.py --decode 0|1`).
     PRIORS = {"greedy": ((0.15, 0.45, 0.7, 0.8), 0.75), "sample": ((0.15, 0.2, 0.35, 0.8), 0.6),
               # continuations from a corpus (:class:`CorpusIndex`), by matched length 1..12, rounded
-              # from held-out SmolLM2 responses against a corpus of the others (`bench/corpus_lookup.py`)
+              # from held-out SmolLM2 responses against a corpus of the others (`bench/analysis/corpus_lookup.py`)
               "corpus-greedy": ((0.15, 0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.6, 0.6, 0.7, 0.7, 0.8), 0.65),
               "corpus-sample": ((0.1, 0.2, 0.2, 0.25, 0.25, 0.4), 0.25)}
     PRIOR, PRIOR_DEEPER = PRIORS["greedy"]

@@ -299,7 +299,7 @@ def measure_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None 
     default) adds the median of each size's differences to the plain step's fastest time, so a
     slow minute, which slows both forwards of a pair, does not move it; ``"fastest"`` keeps the
     fastest time of each point on its own. Either is fitted non-decreasing (:func:`isotonic`).
-    ``bench/cost_curve.py`` compares the fits over repeated measurements. An EAGLE-3 drafter's
+    ``bench/analysis/cost_curve.py`` compares the fits over repeated measurements. An EAGLE-3 drafter's
     drafting (several sequential drafter steps, as many as the decoder's rounds need) is not
     timed here: ``draft_ms`` stays 0 and the decoder prices it by its own drafted rounds
     (:meth:`SpeculativeDecoder._running_costs <dartree_ext.decoding.SpeculativeDecoder>`)."""

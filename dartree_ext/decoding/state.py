@@ -319,8 +319,10 @@ class Session:
         self.sizing = decoder.sizing if sizing is None else sizing  # the call's AutoBudget or FixedBudget
         # the lookup branch's corpus (None: not consulted in this call) and its statistics' regime
         self.corpus = corpus
-        self.lookup_stats = decoder.lookup_stats if lookup_stats is None else lookup_stats
-        self.corpus_stats = decoder.corpus_stats if corpus_stats is None else corpus_stats
+        # the lookup statistics of the call's regime (None: the decoder's, from decoder.learned)
+        regime = "greedy" if not sampling.get("temperature") else "sample"
+        self.lookup_stats = decoder.learned.lookup_stats(regime) if lookup_stats is None else lookup_stats
+        self.corpus_stats = decoder.learned.lookup_stats(f"corpus-{regime}") if corpus_stats is None else corpus_stats
         self.max_pos = int(getattr(text_config(target), "max_position_embeddings", 0) or 0) or None
         self.generated: list[list[int]] = [[] for _ in prompts]
         # lookup: every request's prompt and output so far, indexed by n-gram

@@ -1,6 +1,6 @@
 """A drafter that knows the answers: a testing and benchmarking tool, not a model to decode with.
 
-It lives in the package so that the tests and the benchmarks (``bench/e2e.py --drafter oracle``)
+It lives in the package so that the tests and the benchmarks (``bench/e2e/e2e.py --drafter oracle``)
 share it; nothing in the library's decoding or training path uses it.
 
 :class:`LookupDrafter` looks up the root (token, position) in given reference sequences (e.g.
