@@ -7,10 +7,13 @@ Tree layout shared by every op (per request ``b``, padded to ``N`` nodes):
   (topological order); entries past ``num_nodes[b]`` are padding and are not read;
 * ``num_nodes int32[B]`` in ``[1, N]``; ``N`` at most :data:`MAX_TREE_NODES`.
 
-CPU ops check the tree's values (and raise ``ValueError``); CUDA ops check dtypes, shapes and
-devices but not values, because that would synchronize the stream. Kernels stay memory-safe on
-bad values (an invalid parent is read as "no parent"). Pass ``validate=True`` to check the values
-of CUDA inputs too, at the cost of a synchronization.
+Validation (``docs/architecture.md``, "Validation"): every op checks dtypes, shapes, devices,
+sizes and their bounds always. CPU ops also check the values they read anyway (tree layout,
+token ids, positions) and raise ``ValueError``. The wrappers' ``validate=True`` (the default)
+adds the data checks a kernel cannot make cheaply: the same values on CUDA (a synchronization),
+and NaN scores on every device. The decoding loop, which builds its trees itself, passes
+``validate=False``. Kernels stay memory-safe on bad values either way (an invalid parent is read
+as "no parent", an out-of-range candidate id as a candidate of score -inf).
 """
 from __future__ import annotations
 
@@ -55,6 +58,28 @@ def _layout_ok(parents: torch.Tensor, num_nodes: torch.Tensor) -> bool:
             and 1 <= parents.shape[1] <= MAX_TREE_NODES and parents.device == num_nodes.device)
 
 
+def _refuse_nan(op: str, name: str, values: torch.Tensor, live: torch.Tensor | None = None) -> None:
+    """A ``ValueError`` naming the first NaN of ``values`` (where ``live``, if given)."""
+    bad = values.isnan() if live is None else values.isnan() & live
+    if bool(bad.any()):
+        where = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+        raise ValueError(f"{op}: {name}[{where}] is NaN; scores must be numbers (-inf for none)")
+
+
+def _refuse_ids(op: str, name: str, ids: torch.Tensor, vocab: int | None = None) -> None:
+    """A ``ValueError`` naming the first entry of ``ids`` that is negative (or ``>= vocab``)."""
+    bad = ids < 0 if vocab is None else (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        span = "negative" if vocab is None else f"outside [0, {vocab})"
+        raise ValueError(f"{op}: {name}[{', '.join(map(str, at))}] = {int(ids[at])} is not a token id ({span})")
+
+
+def _live(num: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, size]``: True where the index is below ``num[b]``."""
+    return torch.arange(size, device=num.device)[None] < num[:, None].long()
+
+
 def _maybe_check(parents: torch.Tensor, num_nodes: torch.Tensor, validate: bool, op: str) -> None:
     # CPU kernels always check values themselves. A bad layout (dtype, rank, batch, size) is left
     # to the op's own checks, so the error is the same on every device.
@@ -63,7 +88,7 @@ def _maybe_check(parents: torch.Tensor, num_nodes: torch.Tensor, validate: bool,
 
 
 def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor, *,
-                       validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Bit-packed root paths of every node.
 
     Returns ``bits int64[B, N, ceil(N / 64)]``, where bit ``j`` (little-endian within each
@@ -76,7 +101,7 @@ def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor, *,
 
 
 def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor, past_key_mask: torch.Tensor,
-                        dtype: torch.dtype = torch.float32, *, validate: bool = False) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float32, *, validate: bool = True) -> torch.Tensor:
     """Additive tree-attention mask for HuggingFace attention, ``dtype[B, 1, N, P + N]``.
 
     Entry ``[b, 0, i, c]`` is 0 where node ``i`` may attend and ``finfo(dtype).min`` elsewhere.
@@ -89,7 +114,7 @@ def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor, past_key
 
 
 def tree_links(parents: torch.Tensor, num_nodes: torch.Tensor, *,
-               validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """First-child and next-sibling links (the layout of sglang's speculative kernels).
 
     Returns ``next_token int32[B, N]`` (lowest-index child, -1 for a leaf) and
@@ -116,7 +141,7 @@ def packed_tree_mask(bits: torch.Tensor, seq_lens: torch.Tensor, mask_indptr: to
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
                 target_tokens: torch.Tensor, *,
-                validate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk a draft tree along the target's tokens.
 
     ``tokens int64[B, N]`` are the draft tokens (``tokens[b, 0]`` the root's), and
@@ -129,6 +154,11 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Te
     target's token after the last accepted node).
     """
     _maybe_check(parents, num_nodes, validate, "verify_tree")
+    if validate and parents.device.type != "cpu" and _layout_ok(parents, num_nodes) and tokens.shape == parents.shape:
+        live = _live(num_nodes, parents.shape[1])
+        _refuse_ids("verify_tree", "tokens", torch.where(live & (torch.arange(parents.shape[1], device=live.device) > 0),
+                                                         tokens, 0))
+        _refuse_ids("verify_tree", "target_tokens", torch.where(live, target_tokens, 0))
     return _ops.verify_tree.default(tokens, parents, num_nodes, target_tokens)
 
 
@@ -186,10 +216,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def tokens_from_logits(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """The target's token at each node from ``logits [..., V]`` (CPU, float32 or bfloat16), in one
-    call: ``temperature == 0`` the first maximum (ties to the lowest id; a NaN wins, as
-    ``torch.argmax``); ``temperature > 0`` a sample of ``softmax(logits / temperature)`` by the
-    inverse CDF at ``uniforms`` (float32 in [0, 1), one per row): the first token whose cumulative
-    probability exceeds ``u``, never one of zero probability. Returns ``int64[...]``.
+    call: ``temperature == 0`` the first maximum (ties to the lowest id); ``temperature > 0`` a
+    sample of ``softmax(logits / temperature)`` by the inverse CDF at ``uniforms`` (float32 in
+    [0, 1), one per row, checked): the first token whose cumulative probability exceeds ``u``,
+    never one of zero probability. Returns ``int64[...]``. A row holding a NaN, or all -inf, is
+    refused with a ``ValueError`` naming it (no token can be drawn from it); a +inf logit takes
+    all the mass.
     :func:`dartree_ext.sampling.target_tokens_from_logits` uses it where it applies (no top-k /
     top-p)."""
     return _ops.tokens_from_logits.default(logits, uniforms, temperature)
@@ -219,7 +251,7 @@ def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_parents: torch.Tensor,
-                 width: int, *, validate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 width: int, *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``width`` best children of a depth, over all valid parents of each request.
 
     ``parent_scores float32[B, P]``, ``child_logprobs float32[B, P, K]`` (the log-probs of each
@@ -236,11 +268,16 @@ def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_
             b = int(bad.nonzero()[0, 0])
             raise ValueError(f"select_top_w: num_parents[{b}] = {int(num_parents[b])} is outside "
                              f"[0, {parent_scores.shape[1]}]")
+    if validate and parent_scores.dim() == 2 and child_logprobs.dim() == 3 and num_parents.dim() == 1 \
+            and child_logprobs.shape[:2] == parent_scores.shape and num_parents.shape[0] == parent_scores.shape[0]:
+        live = _live(num_parents, parent_scores.shape[1])
+        _refuse_nan("select_top_w", "parent_scores", parent_scores, live)
+        _refuse_nan("select_top_w", "child_logprobs", child_logprobs, live[..., None])
     return _ops.select_top_w.default(parent_scores, child_logprobs, num_parents, width)
 
 
 def select_top_b(parents: torch.Tensor, scores: torch.Tensor, num_nodes: torch.Tensor, budget: int, *,
-                 validate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prune a tree to its root plus at most ``budget`` nodes, best first.
 
     Semantics are best-first heap selection: starting from the root, repeatedly keep the best
@@ -255,11 +292,13 @@ def select_top_b(parents: torch.Tensor, scores: torch.Tensor, num_nodes: torch.T
     indices into ``keep``, -1 for the root and padding) and ``num_kept int32[B]`` (root included).
     """
     _maybe_check(parents, num_nodes, validate, "select_top_b")
+    if validate and _layout_ok(parents, num_nodes) and scores.shape == parents.shape:
+        _refuse_nan("select_top_b", "scores", scores, _live(num_nodes, parents.shape[1]))
     return _ops.select_top_b.default(parents, scores, num_nodes, budget)
 
 
 def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor, budget: int, *,
-                validate: bool = False) -> tuple[torch.Tensor, ...]:
+                validate: bool = True) -> tuple[torch.Tensor, ...]:
     """DDTree's best-first draft tree over per-position marginals.
 
     ``logprobs float32[B, D, K]`` holds, for each of D draft positions, the log-probs of its K
@@ -280,6 +319,11 @@ def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: to
             b, d, j = (int(v) for v in unsorted.nonzero()[0])
             raise ValueError(f"ddtree_heap: logprobs[{b}, {d}] must be sorted in descending order (and free of "
                              f"NaN); entries {j} and {j + 1} are not")
+        if logprobs.shape[-1] and bool((logprobs[..., 0] == float("inf")).any()):
+            b, d = (int(v) for v in (logprobs[..., 0] == float("inf")).nonzero()[0])
+            raise ValueError(f"ddtree_heap: logprobs[{b}, {d}, 0] = inf is not a log-probability (NaN or +inf)")
+        _refuse_ids("ddtree_heap", "token_ids", token_ids)
+        _refuse_ids("ddtree_heap", "root_tokens", root_tokens)
     return _ops.ddtree_heap.default(logprobs, token_ids, root_tokens, budget)
 
 
@@ -363,7 +407,7 @@ def _head_tensors(head) -> tuple:
 
 def expand_depth(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
                  parent_states: torch.Tensor, parent_scores: torch.Tensor, num_parents: torch.Tensor, width: int,
-                 depth_bonus: float = -0.2) -> tuple[torch.Tensor, ...]:
+                 depth_bonus: float = -0.2, *, validate: bool = True) -> tuple[torch.Tensor, ...]:
     """One depth of DARTree's expansion with a GRU correction head
     (:class:`dartree_ext.head.CorrectionHeadWeights`).
 
@@ -377,15 +421,21 @@ def expand_depth(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch
 
     Returns ``parent_idx int32[B, W]``, ``child_k int32[B, W]``, ``scores float32[B, W]``,
     ``tokens int64[B, W]`` and ``states float32[B, W, G]``; missing children (fewer than W) are
-    padded with -1, -1, -inf, 0 and zero states.
+    padded with -1, -1, -inf, 0 and zero states. ``validate=True``: candidate ids outside the
+    head's vocabulary on CUDA (the CPU op always checks them), NaN in ``cand_base`` or the valid
+    parents' scores, raise ``ValueError``.
     """
+    if validate:
+        _check_candidates("expand_depth", head, cand_ids, cand_base)
+        if parent_scores.dim() == 2 and num_parents.dim() == 1 and num_parents.shape[0] == parent_scores.shape[0]:
+            _refuse_nan("expand_depth", "parent_scores", parent_scores, _live(num_parents, parent_scores.shape[1]))
     return _ops.expand_depth.default(z, cand_ids, cand_base, parent_states, parent_scores, num_parents,
                                      *_head_tensors(head), width, depth_bonus)
 
 
 def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch.Tensor,
-                    root_state: torch.Tensor, width: int | list[int], depth_bonus: float = -0.2
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    root_state: torch.Tensor, width: int | list[int], depth_bonus: float = -0.2, *,
+                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All D depths of DARTree's expansion in one call (on CUDA: no host synchronization).
 
     ``z [B, D, E]``, ``cand_ids int64[B, D, K]``, ``cand_base [B, D, K]``, ``root_state [B, G]``
@@ -395,11 +445,20 @@ def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: to
     Returns depth-major ``tokens int64[B, M]``, ``parents int32[B, M]`` (index into the same M
     nodes, -1 for the root), ``depths int32[B, M]`` (1..D) and ``scores float32[B, M]``, with
     M = the sum of the widths. Where a depth has fewer children than its width, the rest is
-    padding: depth -1, parent -1, score -inf, token 0.
+    padding: depth -1, parent -1, score -inf, token 0. ``validate=True``: as :func:`expand_depth`.
     """
+    if validate:
+        _check_candidates("build_supertree", head, cand_ids, cand_base)
     return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head),
                                         depth_widths(width, z.shape[1], exact=True),
                                         depth_bonus)
+
+
+def _check_candidates(op: str, head, cand_ids: torch.Tensor, cand_base: torch.Tensor) -> None:
+    if cand_ids.device.type != "cpu" and cand_ids.dtype == torch.long:
+        _refuse_ids(op, "cand_ids", cand_ids, int(head.gru_table.shape[0]))
+    if cand_base.is_floating_point():
+        _refuse_nan(op, "cand_base", cand_base)
 
 
 @torch.library.register_fake("dartree_ext::expand_depth")
@@ -427,8 +486,8 @@ def compact_kv_(keys: torch.Tensor, values: torch.Tensor, src_positions: torch.T
                 lengths: torch.Tensor) -> None:
     """Compact one layer's KV cache in place after verification.
 
-    ``keys [B, H, S, Dk]`` and ``values [B, H, S, Dv]`` (transformers' layout, any dtype,
-    contiguous). For each request ``b``, the entries at ``src_positions[b, :lengths[b]]``
+    ``keys [B, H, S, Dk]`` and ``values [B, H, S, Dv]`` (transformers' layout, any dtype, one for
+    both, contiguous). For each request ``b``, the entries at ``src_positions[b, :lengths[b]]``
     (int64, increasing, at or after ``dst_start[b]``: the accepted tree nodes' cache slots) move
     to ``dst_start[b] + i`` (int64; typically the request's committed length), for every head.
     Entries past the moved ones are left as they are (the caller's attention mask hides them).
@@ -458,7 +517,7 @@ def _compact_kv_layers_fake(caches, src_positions, dst_start, lengths):
 
 
 def compact_kv_paged_(caches: list[torch.Tensor], block_table: torch.Tensor, src_positions: torch.Tensor,
-                      dst_start: torch.Tensor, lengths: torch.Tensor, *, validate: bool = False) -> None:
+                      dst_start: torch.Tensor, lengths: torch.Tensor, *, validate: bool = True) -> None:
     """:func:`compact_kv_` for paged caches, every layer in one call (one launch on CUDA).
 
     ``caches``: pools ``[num_pages, page_size, ...]`` (keys and values of every layer, any dtype,

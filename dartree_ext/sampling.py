@@ -37,6 +37,26 @@ def _warped_logits(logits: torch.Tensor, temperature: float, top_k: int | None, 
     return scaled
 
 
+def undrawable_row(logits: torch.Tensor) -> tuple[int, str] | None:
+    """The first row of ``logits [..., V]`` (leading dims flattened) no token can be drawn from,
+    and why (it holds a NaN, or is all -inf), or ``None``."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    bad = rows.isnan().any(-1) | (rows == float("-inf")).all(-1)
+    if not bool(bad.any()):
+        return None
+    r = int(bad.nonzero()[0, 0])
+    return r, ("holds a NaN" if bool(rows[r].isnan().any()) else "is all -inf (no token has positive probability)")
+
+
+def check_drawable(logits: torch.Tensor) -> None:
+    """A ``ValueError`` naming the first row of ``logits`` no token can be drawn from (as
+    ``ops.tokens_from_logits`` raises on the CPU)."""
+    bad = undrawable_row(logits)
+    if bad is not None:
+        rows = logits.numel() // logits.shape[-1]
+        raise ValueError(f"tokens_from_logits: logits row {bad[0]} of {rows} {bad[1]}: no token can be drawn from it")
+
+
 def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's maximum, the lowest on ties (torch.argmax's answer), for CPU
     float32 (or float64) logits. Reductions with indices do not vectorise over the reduced dimension on a CPU,
@@ -72,7 +92,11 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-    one_call = logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[-1] > 0
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"target_tokens_from_logits: logits must be [..., V] with V >= 1, got {tuple(logits.shape)}")
+    one_call = logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)
+    if not (one_call and (temperature == 0 or (top_k is None and (top_p is None or top_p >= 1.0)))):
+        check_drawable(logits)  # (ops.tokens_from_logits refuses these rows itself, in its one pass)
     if temperature == 0:
         if one_call:  # one pass over the logits, no float32 copy (ops.tokens_from_logits)
             return ops.tokens_from_logits(logits, None, 0.0)

@@ -76,7 +76,7 @@ def supertree_as_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch
 
 def prune(tree: Tree, budget: int) -> Tree:
     """Keep the root plus the ``budget`` best nodes (heap semantics, Lemma 1 fast path)."""
-    keep, new_parents, num_kept = ops.select_top_b(tree.parents, tree.scores, tree.num_nodes, budget)
+    keep, new_parents, num_kept = ops.select_top_b(tree.parents, tree.scores, tree.num_nodes, budget, validate=False)
     present = keep >= 0
     index = keep.long().clamp(min=0)
     return Tree(tokens=torch.where(present, torch.gather(tree.tokens, 1, index), 0), parents=new_parents,
@@ -109,7 +109,7 @@ def build_dartree(head: CorrectionHeadWeights, drafter_hidden: torch.Tensor, bas
         z = head.project(drafter_hidden)
     supertree = ops.build_supertree(head, z.contiguous(), cand_ids.contiguous(),
                                     cand_base.to(head.w_s.dtype).contiguous(),
-                                    root_state.to(head.w_s.dtype).contiguous(), widths, depth_bonus)
+                                    root_state.to(head.w_s.dtype).contiguous(), widths, depth_bonus, validate=False)
     tree = supertree_as_tree(*supertree, root_tokens, padded=k < max(widths))
     return tree if fixed else prune(tree, budget)
 

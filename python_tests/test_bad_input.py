@@ -2,6 +2,8 @@
 Value checks (topology, num_nodes range) run in the CPU kernels, and on CUDA with validate=True."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -151,7 +153,7 @@ def test_sampling_bad_arguments(kwargs, message):
 # selection ops ---------------------------------------------------------------------------------
 
 def test_select_top_w_negative_width(device):
-    with pytest.raises(ValueError, match="width must be >= 1"):
+    with pytest.raises(ValueError, match=r"width must be in \[1, 8192\]"):
         ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
                          torch.tensor([2], dtype=torch.int32, device=device), -1)
 
@@ -320,7 +322,7 @@ def test_compact_kv_cache_not_contiguous(device):
 
 
 def test_select_top_w_width_zero(device):
-    with pytest.raises(ValueError, match="width must be >= 1"):
+    with pytest.raises(ValueError, match=r"width must be in \[1, 8192\]"):
         ops.select_top_w(torch.zeros(1, 2, device=device), torch.zeros(1, 2, 3, device=device),
                          torch.ones(1, dtype=torch.int32, device=device), 0)
 
@@ -334,3 +336,120 @@ def test_compact_kv_keys_and_values_disagree(device):
     ops.compact_kv_(keys, torch.zeros(1, 2, 8, 6, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device),
                     torch.zeros(1, dtype=torch.int64, device=device),
                     torch.ones(1, dtype=torch.int32, device=device))  # head dims may differ
+
+
+# sizes past their bounds: refused before anything is allocated (run in a child process, so a
+# crash or an allocation that kills the interpreter fails the test instead of the run) -----------
+
+OVERSIZE = {
+    "select_top_w width": ("ops.select_top_w(torch.zeros(1, 2), torch.zeros(1, 2, 3), torch.ones(1, dtype=torch.int32), "
+                           "2 ** 31)", r"select_top_w: width must be in \[1, 8192\]"),
+    "select_top_b budget": ("ops.select_top_b(torch.tensor([[-1, 0]], dtype=torch.int32), torch.zeros(1, 2), "
+                            "torch.tensor([2], dtype=torch.int32), 2 ** 40)", r"select_top_b: budget must be in \[0, 8192\]"),
+    "expand_depth width": ("ops.expand_depth(head, z[:, 0].contiguous(), ids[:, 0].contiguous(), "
+                           "base[:, 0].contiguous(), torch.zeros(2, 1, 6), torch.zeros(2, 1), torch.ones(2, dtype=torch.int32), "
+                           "2 ** 31)", r"expand_depth: width must be in \[0, 8192\]"),
+    "build_supertree widths": ("ops.build_supertree(head, z, ids, base, root, [2 ** 31, 1, 1])",
+                               r"build_supertree: every width must be in \[1, 65535\]"),
+    "ddtree_heap budget": ("ops.ddtree_heap(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.long), "
+                           "torch.zeros(1, dtype=torch.long), 2 ** 40)", r"ddtree_heap: budget must be in \[0, 2048\]"),
+    "packed_tree_mask total_bytes": ("ops.packed_tree_mask(torch.zeros(1, 1, 1, dtype=torch.long), "
+                                     "torch.zeros(1, dtype=torch.long), torch.zeros(2, dtype=torch.int32), 2 ** 40)",
+                                     r"total_bytes must be in \[0, 2\^31\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERSIZE))
+def test_oversize_arguments_are_refused_in_a_child_process(case):
+    import subprocess
+    import sys
+    call, message = OVERSIZE[case]
+    code = ("import torch, re\nfrom dartree_ext import ops\nfrom dartree_ext.head import CorrectionHeadWeights\n"
+            "head = CorrectionHeadWeights.random(30, 12, 8, 6)\nz = torch.randn(2, 3, 8)\n"
+            "ids = torch.randint(0, 30, (2, 3, 5))\nbase = torch.randn(2, 3, 5)\nroot = torch.randn(2, 6)\n"
+            f"try:\n    {call}\nexcept ValueError as e:\n    print('REFUSED', e)\nelse:\n    print('ACCEPTED')\n")
+    # 8 GiB of address space: far above what a refused call needs, far below what an attempted
+    # 2**31-wide output would take (an allocation past it fails instead of swapping the machine)
+    done = subprocess.run([sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_AS, "
+                           f"(8 << 30, 8 << 30))\n{code}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED" in done.stdout and re.search(message, done.stdout), done.stdout
+
+
+# token ids, non-finite scores, dtypes ------------------------------------------------------------
+
+
+
+
+@pytest.mark.parametrize("name", ["tokens", "target_tokens"])
+def test_verify_tree_negative_token_ids(device, name):
+    parents, num_nodes = HAND_PARENTS.to(device), HAND_NUM_NODES.to(device)
+    tokens, target = HAND_TOKENS.clone().to(device), HAND_TOKENS.clone().to(device)
+    (tokens if name == "tokens" else target)[0, 2] = -3
+    with pytest.raises(ValueError, match=rf"verify_tree: {name}\[0, 2\] = -3 is not a token id \(negative\)"):
+        ops.verify_tree(tokens, parents, num_nodes, target)
+
+
+def _heap_inputs(device):
+    logprobs = torch.sort(torch.log_softmax(torch.randn(2, 3, 4), -1), -1, descending=True).values
+    return logprobs.to(device), torch.randint(0, 9, (2, 3, 4), device=device), torch.tensor([1, 2], device=device)
+
+
+def test_ddtree_heap_negative_ids_and_inf(device):
+    logprobs, ids, roots = _heap_inputs(device)
+    ids[1, 2, 3] = -1
+    with pytest.raises(ValueError, match=r"ddtree_heap: token_ids\[1, 2, 3\] = -1 is not a token id"):
+        ops.ddtree_heap(logprobs, ids, roots, 8)
+    logprobs, ids, roots = _heap_inputs(device)
+    roots[0] = -5
+    with pytest.raises(ValueError, match=r"ddtree_heap: root_tokens\[0\] = -5 is not a token id"):
+        ops.ddtree_heap(logprobs, ids, roots, 8)
+    logprobs, ids, roots = _heap_inputs(device)
+    logprobs[0, 1, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"ddtree_heap: logprobs\[0, 1, 0\] = inf is not a log-probability"):
+        ops.ddtree_heap(logprobs, ids, roots, 8)
+
+
+def test_select_top_w_nan_scores(device):
+    ps, cl = torch.zeros(2, 3, device=device), torch.log_softmax(torch.randn(2, 3, 4), -1).to(device)
+    num = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    cl[1, 2, 0] = float("nan")  # a parent past num_parents[1]: never read, not refused
+    ops.select_top_w(ps, cl, num, 2)
+    cl[1, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"select_top_w: child_logprobs\[1, 1, 3\] is NaN"):
+        ops.select_top_w(ps, cl, num, 2)
+    ps[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"select_top_w: parent_scores\[0, 0\] is NaN"):
+        ops.select_top_w(ps, cl, num, 2)
+    ops.select_top_w(ps, cl, num, 2, validate=False)  # the loop's call: NaN ranks as -inf
+
+
+def test_select_top_b_nan_scores(device):
+    scores = torch.zeros(HAND_PARENTS.shape, device=device)
+    scores[0, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"select_top_b: scores\[0, 4\] is NaN"):
+        ops.select_top_b(HAND_PARENTS.to(device), scores, HAND_NUM_NODES.to(device), 3)
+
+
+def test_expansion_nan_scores_and_candidates(device):
+    head, z, ids, base, root = _expand_args(device)
+    base[1, 2, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"build_supertree: cand_base\[1, 2, 4\] is NaN"):
+        ops.build_supertree(head, z, ids, base, root, 2)
+    head, z, ids, base, _ = _expand_args(device)
+    scores = torch.zeros(2, 2, device=device)
+    scores[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"expand_depth: parent_scores\[0, 1\] is NaN"):
+        ops.expand_depth(head, z[:, 0].contiguous(), ids[:, 0].contiguous(), base[:, 0].contiguous(),
+                         torch.zeros(2, 2, 6, device=device), scores, torch.full((2,), 2, dtype=torch.int32, device=device), 2)
+    head, z, ids, base, root = _expand_args(device)
+    ids[0, 1, 2] = 30  # the head's vocabulary is 30
+    with pytest.raises(ValueError, match=r"cand_ids.*30"):
+        ops.build_supertree(head, z, ids, base, root, 2)
+
+
+def test_compact_kv_mixed_dtypes(device):
+    keys, values = torch.zeros(2, 1, 10, 4, device=device), torch.zeros(2, 1, 10, 4, device=device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"compact_kv_: keys \(Float\) and values \(BFloat16\) must have one dtype"):
+        ops.compact_kv_(keys, values, torch.tensor([[5, 6], [3, 4]], device=device), torch.tensor([2, 2], device=device),
+                        torch.tensor([2, 2], dtype=torch.int32, device=device))

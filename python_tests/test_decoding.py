@@ -688,3 +688,48 @@ def test_phase_hook_sees_every_phase_in_order_and_changes_nothing(setup):
     assert sum(v.accepted[0] + 1 for v in verdicts if len(v.accepted)) > 0
     for kind, phase in events:  # balanced: every enter has its exit
         assert events.count(("enter", phase)) == events.count(("exit", phase))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_target_logits_stop_the_call_naming_the_request(setup, monkeypatch, temperature):
+    """Target logits no token can be drawn from (a NaN) stop the call with an error naming the
+    request, its round and the tree node, at T = 0 and T > 0: no token is made up."""
+    target, drafter, prompts, _ = setup
+    forward, calls = target.forward, []
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # prefill, round 1, then round 2's verification
+            out.logits[1, 0, 5] = float("nan")
+        return out
+
+    monkeypatch.setattr(target, "forward", poisoned)
+    dec = SpeculativeDecoder(target, drafter, "dartree", budget=8, width=4, K=8)
+    ids, mask = left_pad(prompts)
+    with pytest.raises(ValueError, match=r"the target's logits for request 1 \(round 2, after \d+ new tokens\) at "
+                                         r"tree node 0 holds a NaN"):
+        dec.generate(ids, mask, max_new_tokens=NEW, temperature=temperature, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree", "dartree"])
+def test_nan_draft_scores_make_a_plain_round(setup, monkeypatch, method):
+    """A drafter whose scores hold a NaN: that round verifies no draft, with a warning, and the
+    output is still plain decoding's."""
+    import dataclasses
+    target, drafter, prompts, refs = setup
+    forward, calls = drafter.forward, []
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            out = dataclasses.replace(out, base_logits=out.base_logits.clone().fill_(float("nan")))
+        return out
+
+    monkeypatch.setattr(drafter, "forward", poisoned)
+    knobs = {"chain": {}, "ddtree": {"K": 8}, "dartree": {"width": 4, "K": 8}}[method]
+    dec = SpeculativeDecoder(target, drafter, method, budget=8, **knobs)
+    with pytest.warns(RuntimeWarning, match="the drafter's scores hold a NaN: this round verifies no draft"):
+        out = check_greedy(dec, prompts, refs)
+    assert len(calls) > 2 and out.stats.rounds > 0

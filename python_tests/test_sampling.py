@@ -130,7 +130,8 @@ def test_sampling_leaves_the_logits_untouched(temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_greedy_is_the_first_maximum(dtype):
     """Greedy tokens from the one-call op equal torch.argmax: random rows over 49152 and odd
-    sizes, ties to the lowest id (also across its 64-wide blocks), a NaN winning as in argmax."""
+    sizes, ties to the lowest id (also across its 64-wide blocks), a +inf maximum in the last,
+    partial block; a row holding a NaN, or all -inf, is refused and named."""
     from dartree_ext import ops
     gen = torch.Generator().manual_seed(0)
     for shape in ((7, 49152), (3, 4, 130), (1, 1)):
@@ -140,15 +141,19 @@ def test_one_call_greedy_is_the_first_maximum(dtype):
     ties[0, [5, 70, 299]] = 3.0
     ties[1, [299]] = 1.0
     assert ops.tokens_from_logits(ties, None, 0.0).tolist() == [5, 299]
-    nan = torch.randn(2, 200).to(dtype)
-    nan[0, 150] = float("nan")
-    nan[1, 3] = float("nan")
-    assert ops.tokens_from_logits(nan, None, 0.0).tolist() == [150, 3]
-    edge = torch.full((3, 130), float("-inf"), dtype=dtype)                # all -inf: the first, as argmax
-    edge[1, 129] = float("inf")                                             # the maximum in the last, partial block
-    edge[2, 64:] = -1.0
-    edge[2, 100] = float("nan")                                             # a NaN after the maximum
-    assert ops.tokens_from_logits(edge, None, 0.0).tolist() == edge.float().argmax(-1).tolist() == [0, 129, 100]
+    edge = torch.full((2, 130), -1.0, dtype=dtype)
+    edge[0, 129] = float("inf")                                             # the maximum in the last, partial block
+    edge[1, :64] = float("-inf")
+    assert ops.tokens_from_logits(edge, None, 0.0).tolist() == edge.float().argmax(-1).tolist() == [129, 64]
+    for temperature, u in ((0.0, None), (1.0, torch.full((3, 1), 0.5))):
+        nan = torch.randn(3, 200).to(dtype)
+        nan[1, 150] = float("nan")
+        with pytest.raises(ValueError, match=r"tokens_from_logits: logits row 1 of 3 holds a NaN"):
+            ops.tokens_from_logits(nan, u, temperature)
+        dead = torch.randn(3, 200).to(dtype)
+        dead[2] = float("-inf")
+        with pytest.raises(ValueError, match=r"logits row 2 of 3 is all -inf"):
+            ops.tokens_from_logits(dead, u, temperature)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -184,6 +189,23 @@ def test_one_call_bad_input():
         ops.tokens_from_logits(torch.randn(2, 5), torch.rand(3), 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.tokens_from_logits(torch.randn(2, 5).half(), None, 0.0)
+    for bad in (float("nan"), -0.1, 1.0):
+        with pytest.raises(ValueError, match=r"uniforms\[1\] = .* is outside \[0, 1\)"):
+            ops.tokens_from_logits(torch.randn(2, 5), torch.tensor([0.5, bad]), 1.0)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, None), (1.0, 3), (0.7, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_target_tokens_refuse_undrawable_rows(temperature, top_k, dtype):
+    """Every path of target_tokens_from_logits (the one-call op, the float64 / top-k path) refuses
+    a row holding a NaN or all -inf, naming it, and an empty vocabulary."""
+    for fill in (float("nan"), float("-inf")):
+        logits = torch.randn(2, 3, 70, dtype=dtype)
+        logits[1, 2] = fill
+        with pytest.raises(ValueError, match=r"logits row 5 of 6 (holds a NaN|is all -inf)"):
+            target_tokens_from_logits(logits, temperature, top_k=top_k, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"V >= 1"):
+        target_tokens_from_logits(torch.zeros(2, 0, dtype=dtype), temperature)
 
 
 def test_one_call_degenerate_rows_and_default_dtype():

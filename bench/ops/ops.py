@@ -13,6 +13,8 @@ cached keys, --attention-rows query rows under a tree mask. `--only rows` (CPU):
 of the target's layers (rms_norm_rows, rotary_tables, silu_mul, the greedy tokens_from_logits) at
 SmolLM2's shapes in bfloat16 against their PyTorch forms, at --row-counts rows (1: a plain step,
 9: a tree, 37: the main command's prefill), and silu_mul through each build the CPU runs.
+`--only validate`: each wrapper with its data checks (`validate=True`, the default; "ours") against
+`validate=False` ("reference"), at --select-batch requests: the checks' cost, a ratio below 1.
 
 Prints a markdown table: median time per call of ours and of the reference, the ratio, and the
 size of the op's output (plus peak allocated memory on CUDA).
@@ -91,13 +93,13 @@ def cases(batch: int, n_max: int, past: int, device: torch.device):
     target = torch.randint(0, 4, (batch, n_max), generator=gen)
     parents, num_nodes, past_key_mask, tokens, target = (
         t.to(device) for t in (parents, num_nodes, past_key_mask, tokens, target))
-    yield ("tree_ancestor_bits", lambda: ops.tree_ancestor_bits(parents, num_nodes),
+    yield ("tree_ancestor_bits", lambda: ops.tree_ancestor_bits(parents, num_nodes, validate=False),
            lambda: reference.tree_ancestor_bits(parents, num_nodes))
     yield (f"tree_attention_mask (P={past}, fp32)",
-           lambda: ops.tree_attention_mask(parents, num_nodes, past_key_mask, torch.float32),
+           lambda: ops.tree_attention_mask(parents, num_nodes, past_key_mask, torch.float32, validate=False),
            lambda: reference.tree_attention_mask(parents, num_nodes, past_key_mask, torch.float32))
-    yield ("tree_links", lambda: ops.tree_links(parents, num_nodes), lambda: reference.tree_links(parents, num_nodes))
-    yield ("verify_tree", lambda: ops.verify_tree(tokens, parents, num_nodes, target),
+    yield ("tree_links", lambda: ops.tree_links(parents, num_nodes, validate=False), lambda: reference.tree_links(parents, num_nodes))
+    yield ("verify_tree", lambda: ops.verify_tree(tokens, parents, num_nodes, target, validate=False),
            lambda: reference.verify_tree(tokens, parents, num_nodes, target))
 
 
@@ -122,18 +124,43 @@ def select_cases(batch: int, device: torch.device, heap_budgets: list[int]):
     parent_scores = torch.randn(batch, 12, generator=gen).to(device)
     child_logprobs = torch.log_softmax(torch.randn(batch, 12, 64, generator=gen), -1).to(device)
     num_parents = torch.full((batch,), 12, dtype=torch.int32, device=device)
-    yield ("select_top_w", "P=12 K=64 W=12", lambda: ops.select_top_w(parent_scores, child_logprobs, num_parents, 12),
+    yield ("select_top_w", "P=12 K=64 W=12", lambda: ops.select_top_w(parent_scores, child_logprobs, num_parents, 12, validate=False),
            lambda: reference.select_top_w(parent_scores, child_logprobs, num_parents, 12))
     parents, scores, num_nodes = (t.to(device) for t in supertree(batch, 16, 12, gen))
-    yield ("select_top_b", "N=193 -> B=64", lambda: ops.select_top_b(parents, scores, num_nodes, 64),
+    yield ("select_top_b", "N=193 -> B=64", lambda: ops.select_top_b(parents, scores, num_nodes, 64, validate=False),
            lambda: reference.select_top_b(parents, scores, num_nodes, 64))
     logprobs = torch.sort(torch.log_softmax(torch.randn(batch, 16, 64, generator=gen), -1), -1, descending=True).values
     token_ids = torch.randint(0, 49152, (batch, 16, 64), generator=gen)
     roots = torch.randint(0, 49152, (batch,), generator=gen)
     logprobs, token_ids, roots = logprobs.to(device), token_ids.to(device), roots.to(device)
     for budget in heap_budgets:
-        yield ("ddtree_heap", f"D=16 K=64 B={budget}", lambda b=budget: ops.ddtree_heap(logprobs, token_ids, roots, b),
+        yield ("ddtree_heap", f"D=16 K=64 B={budget}", lambda b=budget: ops.ddtree_heap(logprobs, token_ids, roots, b, validate=False),
                lambda b=budget: reference.ddtree_heap(logprobs, token_ids, roots, b))
+
+
+def validate_cases(batch: int, device: torch.device):
+    """Each wrapper with ``validate=True`` (the default; the "ours" column) against
+    ``validate=False`` (the "reference" column): the cost of the data checks at the decoding
+    loop's shapes (a 65-node tree, the selection ops' shapes above)."""
+    parents, num_nodes = random_batch(batch, 65, seed=65, kind="bushy", full=True)
+    gen = torch.Generator().manual_seed(batch)
+    mask = torch.rand(batch, 256, generator=gen) < 0.9
+    tokens, target = (torch.randint(0, 4, (batch, 65), generator=gen) for _ in range(2))
+    parents, num_nodes, mask, tokens, target = (t.to(device) for t in (parents, num_nodes, mask, tokens, target))
+    calls = {"tree_attention_mask": lambda v: ops.tree_attention_mask(parents, num_nodes, mask, validate=v),
+             "verify_tree": lambda v: ops.verify_tree(tokens, parents, num_nodes, target, validate=v)}
+    ps = torch.randn(batch, 12, generator=gen).to(device)
+    cl = torch.log_softmax(torch.randn(batch, 12, 64, generator=gen), -1).to(device)
+    npar = torch.full((batch,), 12, dtype=torch.int32, device=device)
+    sp, ss, sn = (t.to(device) for t in supertree(batch, 16, 12, gen))
+    lp = torch.sort(torch.log_softmax(torch.randn(batch, 16, 64, generator=gen), -1), -1, descending=True).values
+    ids, roots = torch.randint(0, 49152, (batch, 16, 64), generator=gen), torch.randint(0, 49152, (batch,), generator=gen)
+    lp, ids, roots = lp.to(device), ids.to(device), roots.to(device)
+    calls.update({"select_top_w": lambda v: ops.select_top_w(ps, cl, npar, 12, validate=v),
+                  "select_top_b": lambda v: ops.select_top_b(sp, ss, sn, 64, validate=v),
+                  "ddtree_heap": lambda v: ops.ddtree_heap(lp, ids, roots, 64, validate=v)})
+    for name, call in calls.items():
+        yield f"{name}: validate=True vs False", "loop shapes", (lambda c=call: c(True)), (lambda c=call: c(False))
 
 
 def measure(name: str, shape: str, batch: int, dev_name: str, ours, ref, atol: float = 0.0) -> Row:
@@ -247,6 +274,11 @@ def run(devices: list[str], batches: list[int], nodes: list[int], past: int, sel
                 for name, shape, (ours, ref) in row_cases(row_counts):
                     rows.append(measure(name, shape, 1, dev_name, ours, ref, atol=0.07))
             continue
+        if only == "validate":
+            for batch in select_batches:
+                for name, shape, ours, ref in validate_cases(batch, device):
+                    rows.append(measure(name, shape, batch, dev_name, ours, ref))
+            continue
         if only in (None, "select"):
             for batch in select_batches:
                 for name, shape, ours, ref in select_cases(batch, device, heap_budgets):
@@ -280,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=256, help="cached positions in the attention mask")
     parser.add_argument("--select-batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--heap-budget", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--only", choices=["tree", "select", "attention", "rows"], default=None)
+    parser.add_argument("--only", choices=["tree", "select", "attention", "rows", "validate"], default=None)
     parser.add_argument("--attention-rows", type=int, nargs="+", default=[1, 9, 17, 33])
     parser.add_argument("--row-counts", type=int, nargs="+", default=[1, 9, 37], help="--only rows: rows per call")
     args = parser.parse_args(argv)

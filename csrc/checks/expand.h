@@ -84,7 +84,8 @@ inline void check_expand_depth_inputs(const HeadWeights& w, const at::Tensor& z,
   check_shape(op, "num_parents", num_parents, {batch});
   for (const at::Tensor* t : {&cand_ids, &cand_base, &parent_states, &parent_scores, &num_parents})
     check_same_device(op, "an input", *t, z, "z");
-  TORCH_CHECK_VALUE(width >= 0, op, ": width must be >= 0, got ", width);
+  TORCH_CHECK_VALUE(width >= 0 && width <= kMaxTreeNodes, op, ": width must be in [0, ", kMaxTreeNodes,
+                    "] (a tree holds at most ", kMaxTreeNodes, " nodes), got ", width);
   check_expand_sizes(op, e, g, cand_ids.size(1));
   TORCH_CHECK_VALUE(parent_states.size(1) * cand_ids.size(1) < (int64_t{1} << 31), op, ": P * K must be below 2^31");
   TORCH_CHECK_VALUE(!z.is_cuda() || (batch <= 65535 && parent_states.size(1) <= 65535 && width <= 65535), op,
@@ -113,10 +114,14 @@ inline void check_build_supertree_inputs(const HeadWeights& w, const at::Tensor&
   for (const at::Tensor* t : {&cand_ids, &cand_base, &root_state}) check_same_device(op, "an input", *t, z, "z");
   TORCH_CHECK_VALUE(static_cast<int64_t>(widths.size()) == depth, op, ": widths must give one width per depth (",
                     depth, "), got ", widths.size());
+  int64_t total = 0;
   for (int64_t width : widths) {
     TORCH_CHECK_VALUE(width >= 1 && width <= 65535, op, ": every width must be in [1, 65535], got ", width);
     TORCH_CHECK_VALUE(width * cand_ids.size(2) < (int64_t{1} << 31), op, ": width * K must be below 2^31");
+    total += width;
   }
+  TORCH_CHECK_VALUE(total <= (int64_t{1} << 20), op, ": the widths add up to ", total,
+                    " nodes a request; at most 2^20 (1048576)");
   check_expand_sizes(op, e, g, cand_ids.size(2));
   TORCH_CHECK_VALUE(!z.is_cuda() || batch <= 65535, op, ": CUDA kernels take at most 65535 requests per call");
   if (z.is_cuda()) {

@@ -58,6 +58,8 @@ inline void check_compact_kv_moves(const at::Tensor& keys, const at::Tensor& val
   TORCH_CHECK_VALUE(keys.size(0) == values.size(0) && keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
                     op, ": keys ", keys.sizes(), " and values ", values.sizes(),
                     " must agree on [B, H, S] (only the head dim may differ)");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), op, ": keys (", keys.scalar_type(), ") and values (",
+              values.scalar_type(), ") must have one dtype");
   check_kv_moves(op, src_positions, dst_start, lengths);
 }
 

@@ -24,7 +24,8 @@ inline void check_select_top_w_inputs(const at::Tensor& parent_scores, const at:
   check_shape(op, "num_parents", num_parents, {batch});
   TORCH_CHECK_VALUE(child_logprobs.size(2) >= 1, op, ": child_logprobs needs K >= 1 candidates (dim 2)");
   TORCH_CHECK_VALUE(p_max * child_logprobs.size(2) < (int64_t{1} << 31), op, ": P * K must be below 2^31");
-  TORCH_CHECK_VALUE(width >= 1, op, ": width must be >= 1, got ", width);
+  TORCH_CHECK_VALUE(width >= 1 && width <= kMaxTreeNodes, op, ": width must be in [1, ", kMaxTreeNodes,
+                    "] (a tree holds at most ", kMaxTreeNodes, " nodes), got ", width);
 }
 
 inline void check_select_top_b_inputs(const at::Tensor& parents, const at::Tensor& scores,
@@ -34,7 +35,8 @@ inline void check_select_top_b_inputs(const at::Tensor& parents, const at::Tenso
   check_tensor(op, "scores", scores, at::kFloat, 2);
   check_same_device(op, "scores", scores, parents, "parents");
   check_shape(op, "scores", scores, parents.sizes());
-  TORCH_CHECK_VALUE(budget >= 0 && budget < (int64_t{1} << 30), op, ": budget must be in [0, 2^30), got ", budget);
+  TORCH_CHECK_VALUE(budget >= 0 && budget <= kMaxTreeNodes, op, ": budget must be in [0, ", kMaxTreeNodes,
+                    "] (a tree holds at most ", kMaxTreeNodes, " nodes), got ", budget);
 }
 
 inline void check_ddtree_heap_inputs(const at::Tensor& logprobs, const at::Tensor& token_ids,

@@ -349,20 +349,20 @@ DARTREE_VEC_INLINE float exp_block_impl(const float* x, int64_t n, float top, fl
 DARTREE_AVX2_DISPATCH(float, exp_block, (const float* x, int64_t n, float top, float inv_t, float* out),
                       (x, n, top, inv_t, out))
 
+// A row tokens_from_rows refuses: 1 holds a NaN, 2 has no token of positive probability (all -inf).
 template <typename T>
 void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int64_t rows, int64_t v,
-                      float temperature) {
+                      float temperature, int8_t* refused) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(v), exps(v), block_sum((v + kSampleBlock - 1) / kSampleBlock);
     for (int64_t r = begin; r < end; ++r) {
       widen(logits + r * v, row.data(), v);
       const float top = max_f32(row.data(), v);  // (NaN ignored)
-      int64_t first_nan = -1, best = -1;
-      if (any_nan(row.data(), v)) {
-        for (int64_t j = 0; j < v && first_nan < 0; ++j) {
-          if (std::isnan(row[j])) first_nan = j;
-          else if (best < 0 && row[j] == top) best = j;
-        }
+      int64_t best = -1;
+      if (any_nan(row.data(), v) || top == -std::numeric_limits<float>::infinity()) {
+        refused[r] = any_nan(row.data(), v) ? 1 : 2;
+        out[r] = -1;
+        continue;
       } else {  // the first block of 64 holding the maximum, then its place there
         for (int64_t lo = 0; lo < v && best < 0; lo += kSampleBlock) {
           const int64_t n = std::min(kSampleBlock, v - lo);
@@ -376,11 +376,10 @@ void tokens_from_rows(const T* logits, const float* uniforms, int64_t* out, int6
       }
       // x / T - max / T: the max of x / T is max / T (division by T > 0 is monotone)
       const float inv_t = temperature > 0.0f ? 1.0f / temperature : 0.0f;
-      // the first maximum (a NaN wins): greedy, and where sampling would have no finite weights
-      // (a +inf logit takes all the mass; a temperature so small that 1 / T overflows is greedy)
-      if (first_nan >= 0 || temperature <= 0.0f || top == std::numeric_limits<float>::infinity() ||
-          !std::isfinite(inv_t)) {
-        out[r] = first_nan >= 0 ? first_nan : std::max<int64_t>(best, 0);
+      // the first maximum: greedy, and where sampling would have no finite weights (a +inf logit
+      // takes all the mass; a temperature so small that 1 / T overflows is greedy)
+      if (temperature <= 0.0f || top == std::numeric_limits<float>::infinity() || !std::isfinite(inv_t)) {
+        out[r] = std::max<int64_t>(best, 0);
         continue;
       }
       float total = 0.0f;
@@ -434,13 +433,23 @@ at::Tensor tokens_from_logits_cpu(const at::Tensor& logits, const std::optional<
     check_tensor(op, "uniforms", uc, at::kFloat, uc.dim());
     TORCH_CHECK(uc.numel() == rows, op, ": uniforms must hold one value per row (", rows, "), got ", uc.sizes());
     check_same_device(op, "uniforms", uc, lc, "logits");
+    const float* uv = uc.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK_VALUE(uv[r] >= 0.0f && uv[r] < 1.0f, op, ": uniforms[", r, "] = ", uv[r],
+                        " is outside [0, 1)");
   }
   const float* u = temperature > 0 ? uc.data_ptr<float>() : nullptr;
+  std::vector<int8_t> refused(rows, 0);
   if (lc.scalar_type() == at::kFloat)
-    tokens_from_rows(lc.data_ptr<float>(), u, out.data_ptr<int64_t>(), rows, v, static_cast<float>(temperature));
+    tokens_from_rows(lc.data_ptr<float>(), u, out.data_ptr<int64_t>(), rows, v, static_cast<float>(temperature),
+                     refused.data());
   else
     tokens_from_rows(lc.data_ptr<c10::BFloat16>(), u, out.data_ptr<int64_t>(), rows, v,
-                     static_cast<float>(temperature));
+                     static_cast<float>(temperature), refused.data());
+  for (int64_t r = 0; r < rows; ++r)  // (a row index over logits' leading dims, flattened)
+    TORCH_CHECK_VALUE(refused[r] == 0, op, ": logits row ", r, " of ", rows,
+                      refused[r] == 1 ? " holds a NaN" : " is all -inf (no token has positive probability)",
+                      ": no token can be drawn from it");
   return out;
 }
 

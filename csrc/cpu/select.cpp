@@ -146,6 +146,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_he
   check_ddtree_heap_inputs(logprobs, token_ids, root_tokens, budget);
   const int64_t batch = logprobs.size(0), depth_max = logprobs.size(1), k = logprobs.size(2), slots = budget + 1;
   const float* lp = logprobs.data_ptr<float>();
+  const int64_t* ids_in = token_ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK_VALUE(root_tokens.data_ptr<int64_t>()[b] >= 0, "ddtree_heap: root_tokens[", b, "] = ",
+                      root_tokens.data_ptr<int64_t>()[b], " is not a token id (negative)");
+  for (int64_t i = 0; i < batch * depth_max * k; ++i)
+    TORCH_CHECK_VALUE(ids_in[i] >= 0, "ddtree_heap: token_ids[", i / (depth_max * k), ", ", (i / k) % depth_max, ", ",
+                      i % k, "] = ", ids_in[i], " is not a token id (negative)");
+  for (int64_t row = 0; row < batch * depth_max; ++row)
+    TORCH_CHECK_VALUE(k == 0 || (!std::isnan(lp[row * k]) && lp[row * k] != std::numeric_limits<float>::infinity()),
+                      "ddtree_heap: logprobs[", row / depth_max, ", ", row % depth_max, ", 0] = ", lp[row * k],
+                      " is not a log-probability (NaN or +inf)");
   for (int64_t row = 0; row < batch * depth_max; ++row)
     for (int64_t j = 1; j < k; ++j)
       TORCH_CHECK_VALUE(lp[row * k + j - 1] >= lp[row * k + j], "ddtree_heap: logprobs[", row / depth_max, ", ",

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 
 from .. import ops
 from ..models.drafter import DraftOutput
-from ..sampling import speculative_tokens, target_tokens_from_logits
+from ..sampling import check_drawable, speculative_tokens, target_tokens_from_logits, undrawable_row
 from ..tree import Tree, prune
 from .cache import compact_cache_, crop_cache_
 from .eagle import eagle3_draft
@@ -178,6 +179,9 @@ def graft_lookup(dec, run: Session, state: Batch, tree: Tree, chosen: int | None
 
 def drafted_tree(dec, run: Session, state: Batch, draft: DraftOutput | Tree | None) -> tuple[Tree, int | None]:
     """The drafter's tree (see :func:`propose`)."""
+    if draft is not None and not _finite_draft(draft.scores if isinstance(draft, Tree) else draft.base_logits):
+        run.tick("tree")
+        return plain_tree(state.root), (0 if dec.auto else None)
     if isinstance(draft, Tree):  # EAGLE-3: every drafted node, reranked to the budget
         tree = prune(draft, dec.budget)
         width = int(tree.num_nodes.max())  # early exit: no padding columns for the target to run
@@ -219,6 +223,16 @@ def drafted_tree(dec, run: Session, state: Batch, draft: DraftOutput | Tree | No
     return tree, chosen
 
 
+def _finite_draft(scores: torch.Tensor) -> bool:
+    """Whether the drafter's scores are free of NaN; if not, a warning, and the round verifies no
+    draft (a plain step: the output stays the target's)."""
+    if not bool(scores.isnan().any()):
+        return True
+    warnings.warn("the drafter's scores hold a NaN: this round verifies no draft (a plain decoding step; the "
+                  "output is still the target's)", RuntimeWarning, stacklevel=2)
+    return False
+
+
 def _choose(run: Session, state: Batch, tree: Tree, accept_prob: torch.Tensor | None) -> tuple[Tree, int]:
     """``budget="auto"``: the call's cut of a drafted tree (the full tree kept for calibration)."""
     state.full_tree = tree
@@ -228,20 +242,39 @@ def _choose(run: Session, state: Batch, tree: Tree, accept_prob: torch.Tensor | 
 def verify(dec, run: Session, state: Batch, tree: Tree) -> Verdict:
     """One target forward over root + tree (tree-attention mask); the target's token at every
     node; the longest accepted path and the bonus token of every row."""
-    mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, state.past_valid, run.dtype)
+    mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, state.past_valid, run.dtype, validate=False)
     positions = state.position[:, None] + tree.depths.clamp(min=0).long()
     out = dec.target(input_ids=tree.tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                       output_hidden_states=run.drafting, **{dec.cache_kw: state.cache})
-    if state.draft_q is not None and tree.tokens.shape[1] > 1:
-        child, q = children_and_q(tree, state.draft_q, out.logits.shape[-1])
-        target_tokens = speculative_tokens(out.logits, child, q, **run.sampling)
-    else:
-        target_tokens = target_tokens_from_logits(out.logits, **run.sampling)
-    accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+    target_tokens = _target_tokens(run, state, tree, out.logits)
+    accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens,
+                                                     validate=False)
     verdict = Verdict.read(tree, accept_nodes, accept_len, bonus, target_tokens,
                            out.hidden_states if run.drafting else None)
     run.tick("verify")
     return verdict
+
+
+def _target_tokens(run: Session, state: Batch, tree: Tree, logits: torch.Tensor) -> torch.Tensor:
+    """The target's token at every node. Logits no token can be drawn from (a NaN, or all -inf)
+    stop the call with a ``ValueError`` naming the request, its round and the node: any token
+    emitted from them would not be the target's."""
+    try:
+        if state.draft_q is not None and tree.tokens.shape[1] > 1:
+            check_drawable(logits)
+            child, q = children_and_q(tree, state.draft_q, logits.shape[-1])
+            return speculative_tokens(logits, child, q, **run.sampling)
+        return target_tokens_from_logits(logits, **run.sampling)
+    except ValueError as error:
+        bad = undrawable_row(logits)
+        if bad is None:
+            raise
+        row, node = divmod(bad[0], logits.shape[1])
+        request = int(state.active[row])
+        stats = run.stats.requests[request]
+        raise ValueError(f"the target's logits for request {request} (round {stats.rounds + 1}, after "
+                         f"{stats.new_tokens} new tokens) at tree node {node} {bad[1]}: the target's output is not "
+                         "defined there, so decoding stops (check the model's dtype and weights)") from error
 
 
 def commit(dec, run: Session, state: Batch, tree: Tree, verdict: Verdict, chosen: int | None) -> None:

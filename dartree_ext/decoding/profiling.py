@@ -188,7 +188,7 @@ def _curve_samples(target: torch.nn.Module, need_hidden: bool, nodes: list[int],
         ctx, cache = contexts[c], caches[c]
         parents = (torch.arange(n + 1, dtype=torch.int32) - 1)[None].to(device)
         mask = ops.tree_attention_mask(parents, torch.tensor([n + 1], dtype=torch.int32, device=device),
-                                       pasts[c], dtype)
+                                       pasts[c], dtype, validate=False)
         ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)
         pos = torch.arange(ctx, ctx + n + 1, device=device)[None]
 

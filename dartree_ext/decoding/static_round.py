@@ -55,20 +55,7 @@ class StaticRound(torch.nn.Module):
                  budget: int = COMPILED["budget"], width: int = COMPILED["width"], K: int = COMPILED["K"],
                  depth: int | None = None, depth_bonus: float = TREE_DEFAULTS["depth_bonus"]) -> None:
         super().__init__()
-        from transformers import StaticCache
-
-        if not isinstance(drafter, BlockDrafter):
-            raise TypeError(f"StaticRound needs a BlockDrafter, got {type(drafter).__name__}")
-        drafter.attach(target)  # raises on a target mismatch
-        block = drafter.config.block_size - 1
-        depth = block if depth is None else depth
-        if not 1 <= depth <= block:
-            raise ValueError(f"depth must be in [1, {block}] (the drafter's block minus the root), got {depth}")
-        if budget < 1 or width < 1 or K < 1:
-            raise ValueError(f"need budget, width and K >= 1, got budget={budget}, width={width}, K={K}")
-        depth_widths(width, depth)  # raises on a bad width
-        if batch_size < 1 or max_length < budget + 2:
-            raise ValueError(f"need batch_size >= 1 and max_length >= budget + 2, got {batch_size} and {max_length}")
+        depth = _checked_depth(target, drafter, depth, budget, width, K, batch_size, max_length)
         self.target, self.drafter = target, drafter
         self.depth, self.budget, self.width, self.K, self.depth_bonus = depth, budget, width, K, depth_bonus
         self.max_length, self.batch_size = max_length, batch_size
@@ -78,15 +65,7 @@ class StaticRound(torch.nn.Module):
         if drafter.draft_vocab is not None:
             drafter._draft_head_weight()  # the head's rows over the draft vocabulary, made once here
 
-        cfg = text_config(target)
-        heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
-        self.cache.early_initialization(batch_size, heads, head_dim, self.dtype, self.device)
-        for i, layer in enumerate(cache_layers(self.cache)):
-            if not torch.is_tensor(getattr(layer, "cumulative_length", None)):
-                raise NotImplementedError(f"cache layer {i} ({type(layer).__name__}) keeps no tensor write offset "
-                                          "(transformers >= 5 StaticCache): cannot place a tree in it")
+        self.cache = _static_cache(target, batch_size, max_length, self.dtype, self.device)
         self._cache_tensors = [t for layer in cache_layers(self.cache) for t in (layer.keys, layer.values)]
         dcfg, ddev, ddt = drafter.config, self.device, drafter.dtype
         kv_shape = (batch_size, max_length + 1, 2, dcfg.num_kv_heads, dcfg.head_dim)
@@ -188,14 +167,16 @@ class StaticRound(torch.nn.Module):
                                  width=self.width, budget=self.budget, depth_bonus=self.depth_bonus, vocab=draft.vocab)
             n = tree.tokens.shape[1]
             slots = self.write + torch.arange(n, device=self.write.device)
-            full = ops.tree_attention_mask(tree.parents, tree.num_nodes, self.valid[:, :size].contiguous(), self.dtype)
+            full = ops.tree_attention_mask(tree.parents, tree.num_nodes, self.valid[:, :size].contiguous(), self.dtype,
+                                          validate=False)
             mask = full[..., :size].index_copy(3, slots, full[..., size:])
             self._set_write(self.write)
             out = self.target(input_ids=tree.tokens, attention_mask=mask,
                               position_ids=position[:, None] + tree.depths.clamp(min=0).long(),
                               cache_position=slots, use_cache=True, output_hidden_states=True, **self._cache_arg())
             target_tokens = sample_tokens(out.logits, uniform, temperature)
-            accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens)
+            accept_nodes, accept_len, bonus = ops.verify_tree(tree.tokens, tree.parents, tree.num_nodes, target_tokens,
+                                                             validate=False)
             width = min(n, self.depth + 1)
             path_len = accept_len.long() + 1
             lengths = torch.where(self.live, path_len, 0)  # a finished row's caches stay as they are
@@ -421,6 +402,41 @@ def _unguarded(fn, args: tuple):
         if "skip_guard_eval_unsafe" not in str(err):
             raise
         return fn(*args)
+
+
+def _checked_depth(target, drafter, depth: int | None, budget: int, width, K: int, batch_size: int,
+                   max_length: int) -> int:
+    """StaticRound's arguments checked (the drafter attached to ``target``); the drafted depth."""
+    if not isinstance(drafter, BlockDrafter):
+        raise TypeError(f"StaticRound needs a BlockDrafter, got {type(drafter).__name__}")
+    drafter.attach(target)  # raises on a target mismatch
+    block = drafter.config.block_size - 1
+    depth = block if depth is None else depth
+    if not 1 <= depth <= block:
+        raise ValueError(f"depth must be in [1, {block}] (the drafter's block minus the root), got {depth}")
+    if budget < 1 or width < 1 or K < 1:
+        raise ValueError(f"need budget, width and K >= 1, got budget={budget}, width={width}, K={K}")
+    depth_widths(width, depth)  # raises on a bad width
+    if batch_size < 1 or max_length < budget + 2:
+        raise ValueError(f"need batch_size >= 1 and max_length >= budget + 2, got {batch_size} and {max_length}")
+    return depth
+
+
+def _static_cache(target, batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device):
+    """A transformers ``StaticCache`` for ``target``, allocated, whose layers keep a tensor write
+    offset (where a round places its tree)."""
+    from transformers import StaticCache
+
+    cfg = text_config(target)
+    heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = StaticCache(config=target.config, max_cache_len=max_length)
+    cache.early_initialization(batch_size, heads, head_dim, dtype, device)
+    for i, layer in enumerate(cache_layers(cache)):
+        if not torch.is_tensor(getattr(layer, "cumulative_length", None)):
+            raise NotImplementedError(f"cache layer {i} ({type(layer).__name__}) keeps no tensor write offset "
+                                      "(transformers >= 5 StaticCache): cannot place a tree in it")
+    return cache
 
 
 def sample_tokens(logits: torch.Tensor, uniform: torch.Tensor | None = None,

@@ -93,7 +93,7 @@ def _corrected_chain(r: TreeRequest) -> Tree:
     cand_ids, cand_base = candidates(r.base_logits, r.k)
     sup = ops.build_supertree(head, head.project(r.hidden).contiguous(), r.ids(cand_ids).contiguous(),
                               cand_base.to(head.w_s.dtype).contiguous(), r.root_state(), [1] * r.base_logits.shape[1],
-                              0.0)
+                              0.0, validate=False)
     return supertree_as_tree(*sup, r.root)
 
 
@@ -101,7 +101,7 @@ def _ddtree(r: TreeRequest) -> Tree:
     """DDTree: best-first over the drafter's per-position top-K log-probabilities."""
     budget = r.budget if r.cap is None else min(r.budget, r.cap)
     logprobs, top = torch.topk(torch.log_softmax(r.base_logits.float(), -1), r.k, dim=-1)
-    return Tree(*ops.ddtree_heap(logprobs.contiguous(), r.ids(top).contiguous(), r.root, budget))
+    return Tree(*ops.ddtree_heap(logprobs.contiguous(), r.ids(top).contiguous(), r.root, budget, validate=False))
 
 
 def _dartree(r: TreeRequest, fixed: bool = False) -> Tree:

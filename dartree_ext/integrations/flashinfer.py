@@ -39,5 +39,5 @@ def packed_custom_mask(tree: Tree, seq_lens: torch.Tensor,
     indptr = mask_indptr(n, lens)
     if total_bytes is None:
         total_bytes = int(indptr[-1])
-    bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes)
+    bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes, validate=False)
     return ops.packed_tree_mask(bits, lens, indptr, total_bytes), indptr

@@ -45,7 +45,7 @@ class SGLangVerifyInputs:
 def ancestor_matrix(tree: Tree) -> torch.Tensor:
     """``bool[B, N, N]``: ``[b, i, j]`` iff node ``j`` is on node ``i``'s root path (itself
     included; a padding node sees only itself), unpacked from :func:`~dartree_ext.ops.tree_ancestor_bits`."""
-    bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes)
+    bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes, validate=False)
     n = tree.parents.shape[1]
     j = torch.arange(n, device=bits.device)
     words = bits[..., j // 64]                                   # [B, N, N]: the word holding bit j
@@ -96,12 +96,12 @@ def verify_inputs(tree: Tree, seq_lens: torch.Tensor, mask_mode: str = "full",
     if mask_mode == "qlen_only_bitpacking" and n > 32:
         raise ValueError(f"qlen_only_bitpacking packs a row into one 32-bit word: N = {n} > 32 nodes")
     device = tree.parents.device
-    next_token, next_sibling = ops.tree_links(tree.parents, tree.num_nodes)
+    next_token, next_sibling = ops.tree_links(tree.parents, tree.num_nodes, validate=False)
     index = (torch.arange(batch, device=device)[:, None] * n + torch.arange(n, device=device)[None]).to(torch.int64)
     lens = seq_lens.to(device=device, dtype=torch.int64)
     positions = (lens[:, None] + tree.depths.clamp(min=0).to(torch.int64)).reshape(-1)
     if mask_mode == "qlen_only_bitpacking":
-        bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes)
+        bits, _ = ops.tree_ancestor_bits(tree.parents, tree.num_nodes, validate=False)
         word = bits[..., 0].reshape(-1)  # N <= 32: one 64-bit word holds the row, high bits 0
         mask = word.to(torch.uint8 if n <= 8 else torch.uint16 if n <= 16 else torch.uint32)
     else:
