@@ -337,11 +337,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    config, target, tok, drafter, dtype, dtype_ms, corpus = _load_for_generate(args, parser)
-    texts = [args.prompt]
-    if args.prompt_file:
-        with open(args.prompt_file) as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
+    try:  # a missing or corrupt drafter, corpus or prompt file: one line naming it
+        config, target, tok, drafter, dtype, dtype_ms, corpus = _load_for_generate(args, parser)
+        texts = [args.prompt]
+        if args.prompt_file:
+            with open(args.prompt_file) as f:
+                texts = [line.rstrip("\n") for line in f if line.strip()]
+    except (FileNotFoundError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     ids, mask = left_pad([encode_prompt(tok, t, chat=not args.no_chat) for t in texts])
     width = ids.shape[1]
     stops = stop_tokens(tok, target)

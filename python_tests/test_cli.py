@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -87,8 +88,9 @@ def test_generate_cli_corpus(tmp_path, capsys):
     assert generate_main(base + ["--corpus", str(tmp_path / "c.npz"), "--temperature", "1"]) == 0  # a path: any T
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["corpus_rounds"] > 0
-    with pytest.raises(FileNotFoundError, match="no corpus"):
+    with pytest.raises(SystemExit):  # one line naming the file (exit 2)
         generate_main(base + ["--corpus", str(tmp_path / "missing.npz")])
+    assert "error: no corpus at" in capsys.readouterr().err
 
 
 def _bench(name: str):
@@ -342,3 +344,34 @@ def test_profile_cli_measures_caches_and_writes_the_cost_model(tmp_path, monkeyp
     assert profile_main(args + ["--linear", "few_rows"]) == 0  # another set-up: another cache entry
     assert "(few_rows linear)" in capsys.readouterr().out
     assert len(os.listdir(tmp_path / "cache" / "cost")) == 2
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", r"no drafter at '.*nope': dartree_drafter\.json is missing"),
+    ("json", r"dartree_drafter\.json: not valid JSON .*corrupt or truncated"),
+    ("weights", r"model\.safetensors: not a readable safetensors file .*truncated or corrupt"),
+    ("no weights", r"no drafter weights at .*model\.safetensors: the file is missing"),
+    ("config", r"dartree_drafter\.json: not a drafter config"),
+])
+def test_generate_names_a_bad_drafter_directory_in_one_line(tmp_path, capsys, damage, message):
+    """A missing or corrupt drafter directory, a truncated weights file: dartree-generate exits 2
+    with one line naming the file and what is wrong."""
+    from dartree_ext.loading import load_drafter, load_target
+    d = tmp_path / "d"
+    load_drafter(None, load_target("tiny").target, seed=3).save_pretrained(str(d))
+    weights, config = d / "model.safetensors", d / "dartree_drafter.json"
+    if damage == "json":
+        config.write_text(config.read_text()[:10])
+    elif damage == "weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "no weights":
+        weights.unlink()
+    elif damage == "config":
+        config.write_text(json.dumps({"no_such_field": 1}))
+    spec = str(tmp_path / "nope") if damage == "missing" else str(d)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(["--target", "tiny", "--drafter", spec, "--max-new-tokens", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and ": error: " in last and re.search(message, last), err

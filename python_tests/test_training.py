@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 
 import pytest
@@ -292,3 +293,23 @@ def test_train_cli_runs_and_resumes(tmp_path, capsys):
     drafter = BlockDrafter.from_pretrained(str(out / "drafter"), target)
     assert drafter.config.intermediate_size == target.config.intermediate_size
     assert drafter.config.block_size == 4 and drafter.config.root_in_masks
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other drafter"])
+def test_a_checkpoint_that_cannot_be_resumed_names_the_file(tmp_path, damage):
+    """A truncated or corrupt checkpoint, or one of another drafter, is an error naming the file
+    (not a traceback from inside torch.load), and dartree-train says it in one line."""
+    from dartree_ext.training.trainer import CheckpointError
+    make_trainer(tmp_path, steps=2).train()
+    path = tmp_path / "checkpoint.pt"
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"not a checkpoint" * 10)
+    else:
+        state = torch.load(path)
+        state["drafter"] = {k + ".x": v for k, v in state["drafter"].items()}
+        torch.save(state, path)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: cannot resume from it .*move it away"):
+        make_trainer(tmp_path, steps=4).maybe_resume()

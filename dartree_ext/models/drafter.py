@@ -47,6 +47,28 @@ def default_target_layers(num_target_layers: int, count: int = 3) -> tuple[int, 
     return tuple(sorted({round(1 + j * (hi - 1) / (count - 1)) for j in range(count)}))
 
 
+
+def read_json(path: str) -> object:
+    """A saved drafter's JSON file; a ``ValueError`` naming the file if it is not JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}): the file is corrupt or truncated") from None
+
+
+def read_weights(path: str) -> dict:
+    """A saved drafter's safetensors weights; a ``FileNotFoundError`` or ``ValueError`` naming the
+    file if it is missing, truncated or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no drafter weights at {path}: the file is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}): truncated or corrupt") from None
+
 class DrafterConfigBase:
     """What the drafter configs share: the attention sizes' defaults and checks, and ``to_dict``."""
 
@@ -381,28 +403,29 @@ class TargetAttached:
         vocabulary, hidden-size or depth mismatch is a ``ValueError``). A ``draft_vocab.json``
         next to the weights sets the draft vocabulary (:meth:`set_draft_vocab`) unless
         ``use_draft_vocab=False``."""
-        from safetensors.torch import load_file
         cfg_path = os.path.join(path, cls._config_name)
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no {cls._kind} at {path!r}: {cls._config_name} is missing")
-        with open(cfg_path) as f:
-            drafter = cls(cls._config_class(**json.load(f)))
+        fields = read_json(cfg_path)
+        try:
+            config = cls._config_class(**fields)
+        except TypeError as e:  # unknown or missing fields
+            raise ValueError(f"{cfg_path}: not a {cls._kind} config ({e})") from None
+        drafter = cls(config)
         drafter.attach(target)
-        missing, unexpected = drafter.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=False)
+        missing, unexpected = drafter.load_state_dict(read_weights(os.path.join(path, WEIGHTS_NAME)), strict=False)
         if missing or unexpected:
             raise ValueError(f"drafter weights at {path!r} do not match its config: missing {missing}, "
                              f"unexpected {unexpected}")
         vocab_path = os.path.join(path, DRAFT_VOCAB_NAME)
         if use_draft_vocab and os.path.isfile(vocab_path):
-            with open(vocab_path) as f:
-                try:
-                    drafter.set_draft_vocab(json.load(f))
-                except ValueError as e:
-                    raise ValueError(f"{vocab_path}: {e}") from None
+            try:
+                drafter.set_draft_vocab(read_json(vocab_path))
+            except ValueError as e:
+                raise ValueError(e if str(e).startswith(vocab_path) else f"{vocab_path}: {e}") from None
         calibration_path = os.path.join(path, CALIBRATION_NAME)
         if os.path.isfile(calibration_path):
-            with open(calibration_path) as f:
-                drafter.calibration = json.load(f)
+            drafter.calibration = read_json(calibration_path)
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=dtype or param.dtype)
 

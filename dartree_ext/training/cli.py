@@ -19,7 +19,7 @@ from ..models import BlockDrafter, Eagle3Drafter
 from ..models.eagle3 import EAGLE3_DECAY_GAMMA
 from ..vat import RULES, SCHEDULES
 from .data import BlockSampler, generate_responses
-from .trainer import TrainConfig, Trainer, setup_distributed
+from .trainer import CheckpointError, TrainConfig, Trainer, setup_distributed
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         log.info("%d sequences, %d steps per epoch; drafter %.2fM parameters; %d process(es)", len(sampler.seqs),
                  sampler.steps_per_epoch, drafter.num_parameters() / 1e6, world)
-    history = Trainer(target, drafter, sampler, cfg, rank, world, features).train()
+    try:
+        history = Trainer(target, drafter, sampler, cfg, rank, world, features).train()
+    except CheckpointError as error:  # one line naming the file
+        raise SystemExit(f"dartree-train: error: {error}") from None
     if rank == 0 and history:
         last = history[-1]
         log.info("done: step %d loss %.4f mean k* %.2f; drafter saved to %s", last["step"], last["loss"],

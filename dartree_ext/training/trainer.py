@@ -30,6 +30,10 @@ from .scales import global_scales
 log = logging.getLogger(__name__)
 
 
+
+class CheckpointError(ValueError):
+    """A checkpoint a run cannot resume from (the message names the file and why)."""
+
 @dataclasses.dataclass
 class TrainConfig:
     out_dir: str
@@ -292,10 +296,14 @@ class Trainer:
     def maybe_resume(self) -> bool:
         if not os.path.exists(self.checkpoint_path):
             return False
-        state = torch.load(self.checkpoint_path, map_location=next(self.drafter.parameters()).device)
-        self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        try:
+            state = torch.load(self.checkpoint_path, map_location=next(self.drafter.parameters()).device)
+            self.drafter.load_state_dict(state["drafter"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+        except Exception as e:  # truncated, corrupt, or another run's (a different drafter)
+            raise CheckpointError(f"{self.checkpoint_path}: cannot resume from it ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else e!r}); move it away to start over") from None
         log.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
