@@ -360,7 +360,7 @@ OVERSIZE = {
 
 
 @pytest.mark.parametrize("case", sorted(OVERSIZE))
-def test_oversize_arguments_are_refused_in_a_child_process(case):
+def test_oversize_arguments_are_refused_in_a_child_process(case, tmp_path):
     import subprocess
     import sys
     call, message = OVERSIZE[case]
@@ -371,7 +371,8 @@ def test_oversize_arguments_are_refused_in_a_child_process(case):
     # 8 GiB of address space: far above what a refused call needs, far below what an attempted
     # 2**31-wide output would take (an allocation past it fails instead of swapping the machine)
     done = subprocess.run([sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_AS, "
-                           f"(8 << 30, 8 << 30))\n{code}"], capture_output=True, text=True, timeout=300)
+                           f"(8 << 30, 8 << 30))\n{code}"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # (outside the source tree: the installed package)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED" in done.stdout and re.search(message, done.stdout), done.stdout
 
