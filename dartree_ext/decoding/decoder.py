@@ -317,13 +317,11 @@ class SpeculativeDecoder:
         temperature = sampling["temperature"]
         self._ensure_cost_model()
         self.sizing = self._sizing_for(temperature)
-        regime = "greedy" if temperature == 0 else "sample"
         corpus = self.corpus if temperature == 0 or self.corpus_sampling else None
         if self.corpus is not None and corpus is None and self._warn_corpus:
             warnings.warn("the corpus is not consulted at temperature > 0 (a sampled answer follows it too rarely to "
                           "pay for the lookups); corpus_sampling=True consults it anyway", DecodingConfigWarning,
                           stacklevel=3)
         return Session(self, prompts, max_new_tokens, set(int(t) for t in (stop_token_ids or ())), sampling,
-                       self.sizing, corpus, self.learned.lookup_stats(regime),
-                       self.learned.lookup_stats(f"corpus-{regime}"), hook)
+                       self.sizing, corpus, hook)
 

@@ -307,8 +307,8 @@ class Session:
     only what outlives a call (its calibrators, lookup statistics and running costs)."""
 
     def __init__(self, decoder, prompts: list[torch.Tensor], max_new_tokens: int,
-                 stop: set[int], sampling: dict, sizing=None, corpus=None, lookup_stats=None,
-                 corpus_stats=None, hook: PhaseHook | None = None) -> None:
+                 stop: set[int], sampling: dict, sizing=None, corpus=None,
+                 hook: PhaseHook | None = None) -> None:
         target = decoder.target
         self.hook = hook
         self.device = prompts[0].device
@@ -319,10 +319,10 @@ class Session:
         self.sizing = decoder.sizing if sizing is None else sizing  # the call's AutoBudget or FixedBudget
         # the lookup branch's corpus (None: not consulted in this call) and its statistics' regime
         self.corpus = corpus
-        # the lookup statistics of the call's regime (None: the decoder's, from decoder.learned)
+        # the lookup statistics of the call's regime, kept across calls by decoder.learned
         regime = "greedy" if not sampling.get("temperature") else "sample"
-        self.lookup_stats = decoder.learned.lookup_stats(regime) if lookup_stats is None else lookup_stats
-        self.corpus_stats = decoder.learned.lookup_stats(f"corpus-{regime}") if corpus_stats is None else corpus_stats
+        self.lookup_stats = decoder.learned.lookup_stats(regime)
+        self.corpus_stats = decoder.learned.lookup_stats(f"corpus-{regime}")
         self.max_pos = int(getattr(text_config(target), "max_position_embeddings", 0) or 0) or None
         self.generated: list[list[int]] = [[] for _ in prompts]
         # lookup: every request's prompt and output so far, indexed by n-gram
