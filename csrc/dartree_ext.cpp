@@ -73,6 +73,9 @@ TORCH_LIBRARY(dartree_ext, m) {
   m.def("few_rows_linear_avx2(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_avx512(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_avx512_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // the same over weights kept in a GGUF's 4-/8-bit blocks (kind: q4_0, q4_1, q8_0)
+  m.def("quant_linear(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
+  m.def("quant_linear_portable(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
   // attention area (CPU only: a verification forward's or a plain step's few query rows)
   m.def("few_rows_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   // drafter area (CPU only: a drafter pass's elementwise steps, one call each)
@@ -89,6 +92,7 @@ TORCH_LIBRARY(dartree_ext, m) {
 namespace dartree {
 std::string few_rows_linear_path_name(const std::string& dtype);  // csrc/cpu/linear.cpp
 std::string vector_build_name();                                   // csrc/cpu/rows.cpp
+std::string quant_linear_path_name();                              // csrc/cpu/quant_linear.cpp
 }
 
 namespace {
@@ -109,6 +113,7 @@ pybind11::dict build_info() {
   linear["float32"] = dartree::few_rows_linear_path_name("float32");
   linear["bfloat16"] = dartree::few_rows_linear_path_name("bfloat16");
   info["few_rows_linear"] = linear;
+  info["quant_linear"] = dartree::quant_linear_path_name();
   info["vector_build"] = dartree::vector_build_name();  // the row ops' lanes: avx512, avx2 or base
   return info;
 }

@@ -184,6 +184,9 @@ def build_generate_parser() -> argparse.ArgumentParser:
                         "sub-second pair moves by 10-20%% on a shared CPU)")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF generate (greedy, same dtype, same "
                         "linear layers; with few_rows also with torch's)")
+    parser.add_argument("--compare-llama-cpp", nargs="?", const="auto", default=None, metavar="GGUF",
+                        help="also time llama.cpp's plain greedy decoding (llama-cpp-python) of the same prompts "
+                             "with the same threads, on GGUF (default: the target's own GGUF, SmolLM2's Q4_1)")
     parser.add_argument("--no-draft-vocab", action="store_true", help="draft over the full vocabulary even when "
                         "the drafter ships a reduced one")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -193,7 +196,9 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--linear", default="auto", choices=["auto", *LINEAR_KINDS],
                         help="the target's linear layers on a CPU: 'few_rows' runs inputs of <= 65 rows through "
                              "dartree_ext's few_rows_linear (one read of the weights for all tree rows; "
-                             "batch-invariant), 'torch' through torch's GEMM; 'auto' (default): measured with the "
+                             "batch-invariant), 'gguf' as few_rows but the layers the model's GGUF holds in 4-/8-bit "
+                             "blocks (SmolLM2: Q4_1, and Q8_0 for the output head) read those blocks through "
+                             "quant_linear, 'torch' through torch's GEMM; 'auto' (default): measured with the "
                              "dtype, once, cached (plain decoding runs the same layers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", default=None,
@@ -325,6 +330,38 @@ def _compare_with_hf(args, target, ids, mask, out) -> dict:
     return result
 
 
+def _compare_with_llama_cpp(args, target, ids, mask, stops, out) -> dict:
+    """``--compare-llama-cpp``: llama.cpp's greedy decoding of each prompt (after one warm-up call),
+    time per token with prefill included on both sides (as this command reports its own), and
+    whether its tokens equal the method's."""
+    from .llama_cpp import LlamaCppBaseline
+    from .quant import gguf_source
+    path = gguf_source(target) if args.compare_llama_cpp == "auto" else args.compare_llama_cpp
+    if path is None:
+        raise ValueError("--compare-llama-cpp: the target was not loaded from a GGUF; name one (--compare-llama-cpp FILE)")
+    base = LlamaCppBaseline(path)
+    seconds = decode_s = 0.0
+    tokens, same = 0, True
+    for b in range(ids.shape[0]):
+        prompt = ids[b][mask[b].bool()].tolist()
+        base.generate(prompt, 2, stops)
+        run = base.generate(prompt, args.max_new_tokens, stops)
+        seconds, decode_s, tokens = seconds + run.total_s, decode_s + run.total_s - run.first_s, tokens + len(run.tokens)
+        mine = out.sequences[b, ids.shape[1]:ids.shape[1] + out.stats.requests[b].new_tokens].tolist()
+        same = same and mine == run.tokens
+    stats, requests = out.stats, ids.shape[0]
+    ours = stats.total_time / max(1, stats.new_tokens)
+    ours_decode = (stats.total_time - stats.time.get("prefill", 0.0)) / max(1, stats.new_tokens - requests)
+    llama, llama_decode = seconds / max(1, tokens), decode_s / max(1, tokens - requests)
+    return {"llama_cpp_s": round(seconds, 4), "llama_cpp_ms_per_token": round(1e3 * llama, 2),
+            "ms_per_token": round(1e3 * ours, 2), "speedup_vs_llama_cpp": round(llama / max(1e-9, ours), 3),
+            # past the first token (prefill and the token it gives left out on both sides)
+            "llama_cpp_decode_ms_per_token": round(1e3 * llama_decode, 2),
+            "decode_ms_per_token": round(1e3 * ours_decode, 2),
+            "decode_speedup_vs_llama_cpp": round(llama_decode / max(1e-9, ours_decode), 3),
+            "same_output_as_llama_cpp": same}
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     """``dartree-generate``: decode a prompt with speculative decoding and print the text and stats."""
     from .decoding import SpeculativeDecoder, left_pad
@@ -382,6 +419,11 @@ def generate_main(argv: list[str] | None = None) -> int:
         summary.update(_compare_with_ar(args, run, out, width))
     if args.compare_hf:
         summary.update(_compare_with_hf(args, target, ids, mask, out))
+    if args.compare_llama_cpp:
+        try:
+            summary.update(_compare_with_llama_cpp(args, target, ids, mask, stops, out))
+        except (ImportError, ValueError) as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -84,7 +84,10 @@ def _load_target(spec: str, dtype: torch.dtype, device: str) -> Loaded:
         return Loaded(smollm2_arch_target(dtype=dtype).to(device), ByteTokenizer(), "smollm2-arch")
     if spec == "smollm2":
         from .data.smollm2 import load_smollm2
+        from .data.smollm2 import gguf_file
+        from .quant import attach_gguf
         model, tokenizer = load_smollm2(dtype=dtype, device=device)
+        attach_gguf(model, gguf_file())  # the shipped Q4_1 blocks: set_linear(model, "gguf")
         return Loaded(model, tokenizer, "SmolLM2-135M-Instruct")
     if not os.path.isdir(spec):
         raise FileNotFoundError(f"target {spec!r} is neither 'tiny', 'smollm2', 'smollm2-arch' nor a local model "
@@ -136,7 +139,7 @@ def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft
         torch.manual_seed(seed)
         kind = Eagle3Drafter if eagle3 else BlockDrafter
         drafter = kind.from_target(target).to(next(target.parameters()).dtype).eval()
-    if linear_kind(target) == "few_rows":
+    if linear_kind(target) != "torch":  # few_rows, or gguf (the drafter has dense weights only)
         set_linear(drafter, "few_rows", few_rows_max_rows(target))
     return drafter
 

@@ -23,7 +23,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "quant_linear", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
@@ -176,6 +176,22 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     (``build_info()["few_rows_linear"]`` says which). ``bias`` has the dtype of ``x``. No autograd.
     """
     return _ops.few_rows_linear.default(x, weight, bias)
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` where ``W`` stays in a GGUF's blocks: ``blocks uint8[N, K / 32 * bytes]``,
+    each row ``K / 32`` blocks of 32 weights in ggml's layout for ``kind`` (``"q4_0"``: 18 bytes,
+    ``"q4_1"``: 20, ``"q8_0"``: 34; :mod:`dartree_ext.quant`). For a few rows of ``x`` (at most 256;
+    CPU, float32 or bfloat16): each block is read once per call and de-quantized in registers,
+    never to memory.
+
+    The weights are de-quantized exactly as :func:`dartree_ext.quant.dequantize` does, and every
+    output element accumulates in :func:`few_rows_linear`'s float32 order: for float32 ``x`` the
+    result is bit-identical to ``few_rows_linear(x, dequantize(blocks, kind))`` on its AVX-512 path,
+    and batch-invariant (row ``m`` equals the result for ``x[m]`` alone). AVX-512 where the CPU has
+    it (``build_info()["quant_linear"]``), else a portable loop with the same bits. No autograd.
+    """
+    return _ops.quant_linear.default(x, blocks, kind, bias)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -548,6 +564,15 @@ def _compact_kv_paged_fake(caches, block_table, src_positions, dst_start, length
 def _few_rows_linear_fake(x, weight, bias):
     _check_same_device("few_rows_linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("dartree_ext::quant_linear")
+def _quant_linear_fake(x, blocks, kind, bias):
+    _check_same_device("quant_linear", x=x, blocks=blocks, **({} if bias is None else {"bias": bias}))
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+torch.library.register_fake("dartree_ext::quant_linear_portable")(_quant_linear_fake)
 
 
 @torch.library.register_fake("dartree_ext::few_rows_attention")

@@ -301,6 +301,12 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(blocks, kind).T + bias`` in float32, rounded to the dtype of ``x`` once."""
+    from .quant import dequantize
+    return few_rows_linear(x, dequantize(blocks, kind), bias)
+
+
 def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
                        scale: float | None = None) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` in float64 over repeated key/value heads, rounded to the

@@ -36,7 +36,7 @@ import torch
 from dartree_ext import build_info, ops
 from dartree_ext.attention import restore_sdpa_attention, use_packed_attention
 from dartree_ext.decoding.profiling import _drop_last, cpu_bf16_native, device_name, forward_ms
-from dartree_ext.linear import LINEAR_KINDS, set_linear
+from dartree_ext.linear import linear_kinds, set_linear
 from dartree_ext.loading import load_target
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -83,10 +83,11 @@ def _forced_paths(dtype: torch.dtype) -> dict:
 @torch.no_grad()
 def forward_times(model: torch.nn.Module, tokens: list[int], reps: int) -> list[dict]:
     dtype = next(model.parameters()).dtype
-    samples = {(kind, n): [] for kind in LINEAR_KINDS for n in tokens}
+    kinds = linear_kinds(model)  # gguf too for a model loaded from a GGUF
+    samples = {(kind, n): [] for kind in kinds for n in tokens}
     for _ in range(reps):
         for n in tokens:
-            for kind in LINEAR_KINDS:
+            for kind in kinds:
                 set_linear(model, kind)
                 samples[(kind, n)].append(forward_ms(model, n, 1, context=200))
     set_linear(model, "torch")
@@ -94,8 +95,12 @@ def forward_times(model: torch.nn.Module, tokens: list[int], reps: int) -> list[
     for n in tokens:
         t, f = (statistics.median(samples[(k, n)]) for k in ("torch", "few_rows"))
         out.append({"tokens": n, "torch_ms": round(t, 2), "few_rows_ms": round(f, 2), "ratio": round(t / f, 3)})
-        print(f"  {str(dtype)[6:]:9s} {n:3d} tokens: torch {t:6.1f} ms  few_rows {f:6.1f} ms  torch / few_rows "
-              f"{t / f:.2f}", flush=True)
+        line = f"  {str(dtype)[6:]:9s} {n:3d} tokens: torch {t:6.1f} ms  few_rows {f:6.1f} ms  torch / few_rows {t / f:.2f}"
+        if "gguf" in kinds:
+            g = statistics.median(samples[("gguf", n)])
+            out[-1].update(gguf_ms=round(g, 2), few_rows_over_gguf=round(f / g, 3))
+            line += f"  gguf {g:6.1f} ms  few_rows / gguf {f / g:.2f}"
+        print(line, flush=True)
     return out
 
 

@@ -28,6 +28,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
+
+#include "reduce16.h"
 #define DARTREE_AVX512_LINEAR 1
 #endif
 
@@ -71,21 +73,12 @@ void linear_generic(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
 
 #ifdef DARTREE_AVX512_LINEAR
 
-// The 16 lanes of an accumulator summed in a fixed order: halves added pairwise (8, 4, 2, 1).
+// reduce16 (reduce16.h) sums an accumulator's 16 lanes in a fixed order: halves pairwise (8, 4, 2, 1).
 // (GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm*_undefined_* placeholders, GCC
 // bug 105593; the pragmas silence that, not a real use of an undefined value.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-__attribute__((target("avx512f"), always_inline)) inline float reduce16(__m512 acc) {
-  const __m256 lo = _mm512_castps512_ps256(acc);
-  const __m256 hi = _mm512_castps512_ps256(_mm512_shuffle_f32x4(acc, acc, 0xEE));  // lanes 8..15
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
-}
 
 // One K step of an NB x MB register block: NB weight chunks, then each input chunk against all of
 // them. LOAD(ptr) loads one chunk (masked at the tail); FMA(acc, x, w) accumulates into a lane set.

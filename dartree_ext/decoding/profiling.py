@@ -94,7 +94,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
     from ..attention import attention_kind
     from ..linear import linear_kind
     from ..row_layers import row_layers_used
-    few_rows = linear_kind(target) == "few_rows" or (drafter is not None and linear_kind(drafter) == "few_rows")
+    few_rows = linear_kind(target) != "torch" or (drafter is not None and linear_kind(drafter) == "few_rows")
     param = next(target.parameters())
     dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
         drafter, "config") and hasattr(drafter.config, "to_dict") else ""
@@ -108,10 +108,11 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
         "attention": attention_kind(target),
-        **({"linear": "few_rows"} if linear_kind(target) == "few_rows" else {}),
+        **({"linear": linear_kind(target)} if linear_kind(target) != "torch" else {}),
         **({"row_layers": True} if row_layers_used(target) else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
         **({"few_rows_linear": build_info().get("few_rows_linear")} if few_rows else {}),
+        **({"quant_linear": build_info().get("quant_linear")} if linear_kind(target) == "gguf" else {}),
     }
 
 
@@ -381,7 +382,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     sum of the forward times over ``tokens`` new tokens (a plain step and a small tree), measured
     on copies of ``model`` (every set-up in turn, ``reps`` times; the median) and cached like the
     cost model. Off the CPU: torch's linear, and
-    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows]": ms})``."""
+    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+gguf]": ms})``."""
     from .. import __version__, build_info
     from ..attention import attention_kind
     from ..linear import LINEAR_KINDS
@@ -402,6 +403,8 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     if list(linears) != ["torch"]:
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")
+    if "gguf" in linears:
+        key["quant_linear"] = build_info().get("quant_linear")
     path = _key_path(key)
     times = None if refresh else _read_choice(path, key)
     if times is None:
@@ -443,7 +446,7 @@ def _time_setups(model, dtypes, linears, tokens, reps) -> dict:
             for dtype, trial in trials:
                 for kind in linears:
                     set_linear(trial, kind)
-                    name = str(dtype).replace("torch.", "") + ("+few_rows" if kind == "few_rows" else "")
+                    name = str(dtype).replace("torch.", "") + ("" if kind == "torch" else "+" + kind)
                     samples.setdefault(name, []).append(sum(forward_ms(trial, n, 1) for n in tokens))
     finally:
         set_linear(model, original, max_rows or DEFAULT_MAX_ROWS)
@@ -457,7 +460,7 @@ def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
     :func:`choose_forward`'s pick (measured once, cached); off the CPU the linear layers are
     torch's. ``model`` is moved to the dtype in place. Returns ``(model, dtype, linear, ms)``
     with ``ms`` the measured forward times (``{}`` when nothing was measured)."""
-    from ..linear import LINEAR_KINDS, set_linear
+    from ..linear import LINEAR_KINDS, linear_kinds, set_linear
     if linear != "auto" and linear not in LINEAR_KINDS:
         raise ValueError(f"linear must be 'auto' or one of {', '.join(LINEAR_KINDS)}, got {linear!r}")
     if isinstance(dtype, str) and dtype != "auto":
@@ -469,7 +472,7 @@ def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
     ms: dict = {}
     if dtype == "auto" or linear == "auto":
         dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (dtype,)
-        dtype, linear, ms = choose_forward(model, dtypes, LINEAR_KINDS if linear == "auto" else (linear,))
+        dtype, linear, ms = choose_forward(model, dtypes, linear_kinds(model) if linear == "auto" else (linear,))
     model = model.to(dtype)
     set_linear(model, linear)
     return model, dtype, linear, ms
