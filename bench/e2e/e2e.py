@@ -244,6 +244,38 @@ class HFRunner:
                     accept_hist={}, nodes_per_depth={}, peak_mib=None, outputs=self.outputs)
 
 
+class LlamaCppRunner:
+    """llama.cpp's plain greedy decoding (llama-cpp-python) of the same prompts, same threads, on
+    the target's GGUF (or ``path``), stepped with the other runners; row ``llama_cpp``, timed past
+    the first token as the others. Its outputs are compared with ``ar``'s but never fail the run
+    (llama.cpp multiplies Q4_1 weights by 8-bit activations)."""
+
+    def __init__(self, path: str, max_new_tokens: int, stops: list[int]) -> None:
+        from dartree_ext.llama_cpp import LlamaCppBaseline
+        self.base, self.max_new_tokens, self.stops = LlamaCppBaseline(path), max_new_tokens, stops
+        self.seconds = self.tokens = 0
+        self.outputs = []
+        self.warm = False
+
+    def step(self, g: int, group: list[list[int]]) -> None:
+        outs = []
+        for prompt in group:
+            if not self.warm:
+                self.base.generate(prompt, 2, self.stops)
+                self.warm = True
+            run = self.base.generate(prompt, self.max_new_tokens, self.stops)
+            self.seconds += run.total_s - run.first_s
+            self.tokens += len(run.tokens) - 1
+            outs.append(run.tokens)
+        self.outputs.append(outs)
+
+    def result(self) -> dict:
+        return dict(method="llama_cpp", temperature=0.0, params={}, tau=1.0, tau_macro=1.0, seconds=self.seconds,
+                    tokens=self.tokens, rounds=self.tokens, ms_per_token=1e3 * self.seconds / max(1, self.tokens),
+                    mean_tree_nodes=0.0, split={}, accept_hist={}, nodes_per_depth={}, peak_mib=None,
+                    outputs=self.outputs)
+
+
 def first_divergence(outputs: list, reference: list) -> list:
     """Per response: the index of the first token that differs from the reference (None if equal)."""
     firsts = []
@@ -347,12 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", default=None, help="name=v1,v2,... over width, budget, depth_bonus, early_exit "
                         "(none = off), lookup or estimator (per-depth widths in a sweep: width=12,32/12)")
     parser.add_argument("--batch", action="store_true", help="decode each set as one batch (default: one by one)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])  # (--linear gguf: the GGUF's blocks)
     parser.add_argument("--hf", action="store_true", help="also time HF generate on the same prompts (row "
                         "'hf_generate': the time past the first token, as the decoder's rows leave prefill out)")
     parser.add_argument("--hf-lookup", type=int, default=None, metavar="N",
                         help="also time HF generate with its prompt-lookup decoding (prompt_lookup_num_tokens=N; "
                              "row 'hf_prompt_lookup')")
+    parser.add_argument("--llama-cpp", nargs="?", const="auto", default=None, metavar="GGUF",
+                        help="also time llama.cpp's plain greedy decoding (llama-cpp-python; row 'llama_cpp', at T = 0) "
+                             "on GGUF (default: the target's own, SmolLM2's shipped Q4_1)")
     parser.add_argument("--draft-vocab", default="on", choices=["on", "off", "both"],
                         help="use the drafter's saved draft vocabulary (draft_vocab.json), ignore it, or run both "
                              "(the second labelled '@fullvocab')")
@@ -436,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
             hf_runners = ([HFRunner(target, temperature, args.max_new_tokens, stops, args.device)] if args.hf else []) \
                 + ([HFRunner(target, temperature, args.max_new_tokens, stops, args.device, prompt_lookup=args.hf_lookup)]
                    if args.hf_lookup else [])
+            if args.llama_cpp and temperature == 0:
+                from dartree_ext.quant import gguf_source
+                path = gguf_source(target) if args.llama_cpp == "auto" else args.llama_cpp
+                if path is None:
+                    parser.error("--llama-cpp: the target was not loaded from a GGUF; name one (--llama-cpp FILE)")
+                hf_runners.append(LlamaCppRunner(path, args.max_new_tokens, stops))
             for g, group in enumerate(groups):
                 if not oracle:
                     ar_runner.step(g, group)
@@ -460,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["first_divergence"] = firsts
                     r["diverged_responses"] = sum(f is not None for f in firsts)
                 # float32 must be exact; bf16 is lossless up to rounding (near-ties), so it is reported
-                if r["same_as_ar"] is False and args.dtype == "float32":
+                if r["same_as_ar"] is False and args.dtype == "float32" and r["method"] != "llama_cpp":
                     failed.append((set_name, r["method"]))
             label = f"\n[{set_name}: {len(prompts)} prompts, T={temperature}"
             label += f", sweep {args.sweep}]" if args.sweep else f", B={args.budget} W={_or(args.width, 'width')} " \
