@@ -51,6 +51,7 @@ _SIGNATURES = {
     "emu_tree_links": [_P, _P, _I, _I, _P, _P],
     "emu_packed_tree_mask": [_P, _P, _P, _I, _I, ctypes.c_int64, _P],
     "emu_verify_tree": [_P, _P, _P, _P, _I, _I, _P, _P, _P],
+    "emu_quant_linear": [_P, _P, _P, _I, _I, _I, _I, ctypes.c_int64, _P],
     "emu_select_top_w": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     "emu_select_top_b": [_P, _P, _P, _I, _I, _I, _P, _P, _P],
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
@@ -280,6 +281,20 @@ class EmulatedOps:
                   self._ptr(target_tokens), batch, n_max, self._ptr(accept_nodes), self._ptr(accept_len),
                   self._ptr(bonus))
         return accept_nodes, accept_len, bonus
+
+    def quant_linear(self, x, blocks, kind, bias=None):
+        """The CUDA kernel's arithmetic on CPU tensors (float32 staging, as the CUDA op)."""
+        kinds = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}
+        code, size = kinds[kind]
+        rows, k = x.numel() // x.shape[-1], x.shape[-1]
+        out_features = blocks.shape[0]
+        x32 = x.reshape(rows, k).float().contiguous()
+        b32 = None if bias is None else bias.float().contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        assert blocks.shape[1] // size * 32 == k
+        self.call("emu_quant_linear", self._ptr(x32), self._ptr(blocks), None if b32 is None else self._ptr(b32), code,
+                  rows, k, out_features, blocks.shape[1], self._ptr(y))
+        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
     def select_top_w(self, parent_scores, child_logprobs, num_parents, width, *, validate=False):
         batch, p_max, k = child_logprobs.shape

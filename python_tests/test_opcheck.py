@@ -60,6 +60,10 @@ def _sample_args(name: str, device: str):
     if name == "few_rows_attention":
         mask = torch.where(torch.rand(2, 1, 5, 11) < 0.7, 0.0, torch.finfo(torch.float32).min)
         return (torch.randn(2, 6, 5, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 8), mask, 0.25)
+    if name == "quant_linear":
+        from dartree_ext.quant import quantize
+        blocks = quantize(torch.randn(12, 64), "q4_1").to(device)
+        return (torch.randn(5, 64, device=device), blocks, "q4_1", torch.randn(12, device=device))
     if name == "rms_norm_rows":
         return (torch.randn(2, 5, 24).bfloat16(), torch.randn(24).bfloat16(), 1e-5)
     if name == "tokens_from_logits":
@@ -75,7 +79,8 @@ def _sample_args(name: str, device: str):
                                   "verify_tree",
                                   "select_top_w", "select_top_b", "ddtree_heap", "expand_depth",
                                   "build_supertree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
-                                  "few_rows_attention", "rms_norm_rows", "rotary_rows", "tokens_from_logits"])
+                                  "few_rows_attention", "rms_norm_rows", "rotary_rows", "tokens_from_logits",
+                                  "quant_linear"])
 def test_opcheck(name, device):
     if name in ("few_rows_attention", "rms_norm_rows", "rotary_rows", "tokens_from_logits") and device != "cpu":
         pytest.skip("a CPU op")

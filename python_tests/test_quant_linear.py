@@ -267,3 +267,26 @@ def test_smollm2_blocks_dequantize_to_the_loaded_weights():
         assert torch.equal(quant.dequantize(blocks, kind), modules[name].weight), name
     set_linear(target, "gguf")
     assert linear_kind(target) == "gguf" and quant.quantized_bytes(target) == sum(b.numel() for _, b in layers.values())
+
+
+# ---- every backend: the CPU op, the CUDA kernel under emulation, real CUDA ---------------------
+
+@pytest.mark.parametrize("kind", quant.KINDS)
+@pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 40, False), (9, 96, 37, True), (17, 64, 5, True), (3, 1024, 2, False)])
+def test_backends_match_the_reference(backend, kind, rows, k, n, bias):
+    """The CUDA kernel (one warp per weight row and group of 8 input rows, blocks strided over the
+    lanes) against the reference, and its batch invariance, on every backend present."""
+    blocks, w = _blocks(n, k, kind, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    y = backend.ops.quant_linear(*backend.put(x, blocks), kind, None if b is None else backend.put(b)).cpu()
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = (x.double().abs() @ w.double().abs().T).max().item() + 1.0
+    assert y.shape == (rows, n) and bool(((y.double() - exact).abs() <= 1e-5 * scale).all())
+    one = backend.ops.quant_linear(*backend.put(x[rows - 1:], blocks), kind, None if b is None else backend.put(b))
+    assert torch.equal(one.cpu()[0], y[rows - 1])
+    xb = x.bfloat16()
+    yb = backend.ops.quant_linear(*backend.put(xb, blocks), kind, None).cpu()
+    assert yb.dtype == torch.bfloat16
+    assert torch.allclose(yb.float(), reference.quant_linear(xb, blocks, kind).float(), rtol=2 ** -7, atol=1e-3 * scale)

@@ -24,6 +24,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "../checks/quant.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,19 +43,12 @@
 namespace dartree {
 namespace {
 
-constexpr int64_t kMaxRows = 256;
-constexpr int64_t kBlock = 32;  // weights per block, every kind
+constexpr int64_t kBlock = kQuantBlock;
 
-enum class Kind { kQ4_0, kQ4_1, kQ8_0 };
+enum class Kind { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };  // check_quant_inputs' numbering
 
 constexpr int64_t block_bytes(Kind kind) { return kind == Kind::kQ4_0 ? 18 : kind == Kind::kQ4_1 ? 20 : 34; }
 
-Kind parse_kind(const std::string& name) {
-  if (name == "q4_0") return Kind::kQ4_0;
-  if (name == "q4_1") return Kind::kQ4_1;
-  if (name == "q8_0") return Kind::kQ8_0;
-  TORCH_CHECK_VALUE(false, "quant_linear: kind must be q4_0, q4_1 or q8_0, got '", name, "'");
-}
 
 template <typename T>
 struct Problem {
@@ -271,35 +266,10 @@ void dispatch(const Problem<T>& p, Kind kind, bool vector) {
 
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind_name,
                             const std::optional<at::Tensor>& bias, bool vector) {
-  constexpr const char* op = "quant_linear";
-  const Kind kind = parse_kind(kind_name);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte, op, ": blocks must be uint8 (the GGUF's bytes), got ",
-              blocks.scalar_type());
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), op,
-              ": blocks must be a contiguous [out, bytes per row] matrix, got ", blocks.sizes(),
-              blocks.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK(x.device() == blocks.device(), op, ": x and blocks must be on one device");
-  const int64_t bytes = block_bytes(kind), row_bytes = blocks.size(1), out = blocks.size(0);
-  TORCH_CHECK_VALUE(row_bytes % bytes == 0, op, ": a ", kind_name, " row is a whole number of ", bytes,
-                    "-byte blocks, got ", row_bytes, " bytes per row");
-  const int64_t in = row_bytes / bytes * kBlock;
-  TORCH_CHECK_VALUE(x.size(-1) == in, op, ": x has ", x.size(-1), " features but blocks hold ", in,
-                    " per row (", row_bytes / bytes, " ", kind_name, " blocks of 32)");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  TORCH_CHECK_VALUE(rows <= kMaxRows, op, ": at most ", kMaxRows, " rows (de-quantize and use a GEMM), got ", rows);
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias must be ", x.scalar_type(), " like x, got ",
-                bias->scalar_type());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, op, ": bias must have shape [", out, "], got ",
-                bias->sizes());
-    TORCH_CHECK(bias->device() == x.device(), op, ": bias must be on ", x.device());
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const QuantShape shape_of = check_quant_inputs(x, blocks, kind_name, bias);
+  const Kind kind = static_cast<Kind>(shape_of.kind);
+  const int64_t rows = shape_of.rows, in = shape_of.in, out = shape_of.out, row_bytes = shape_of.row_bytes;
+  const at::Tensor bias32 = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());

@@ -12,6 +12,7 @@
 
 #include "../kernels/expand.cuh"
 #include "../kernels/kv.cuh"
+#include "../kernels/quant_linear.cuh"
 #include "../kernels/select.cuh"
 #include "../kernels/tree_mask.cuh"
 #include "../kernels/vat.cuh"
@@ -336,6 +337,13 @@ int emu_verify_tree(const int64_t* tokens, const int32_t* parents, const int32_t
   return guarded([&] {
     dartree::kernels::launch_verify_tree(tokens, parents, num_nodes, target_tokens, batch, n_max, accept_nodes,
                                          accept_len, bonus, nullptr);
+  });
+}
+
+int emu_quant_linear(const float* x, const uint8_t* blocks, const float* bias, int kind, int rows, int in, int out,
+                     int64_t row_bytes, float* y) {
+  return guarded([&] {
+    dartree::kernels::launch_quant_linear(x, blocks, bias, kind, rows, in, out, row_bytes, y, nullptr);
   });
 }
 

@@ -171,5 +171,10 @@ struct SupertreeArgs {
 // Every depth in turn on `stream`; no host synchronization, so it can be captured in a graph.
 void launch_build_supertree(const HeadWeightPtrs& head, const SupertreeArgs& args, cudaStream_t stream);
 
+// linear area: y[rows, out] = x[rows, in] @ dequant(blocks)[out, in]^T (+ bias), float32 x, y and bias;
+// blocks: out rows of `row_bytes` bytes, kind 0 = q4_0, 1 = q4_1, 2 = q8_0 (kernels/quant_linear.cuh).
+void launch_quant_linear(const float* x, const uint8_t* blocks, const float* bias, int kind, int rows, int in,
+                         int out, int64_t row_bytes, float* y, cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace dartree

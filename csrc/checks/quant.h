@@ -1,0 +1,61 @@
+// Input checks of quant_linear, shared by the CPU and CUDA entry points.
+#pragma once
+
+#include <string>
+
+#include "common.h"
+
+namespace dartree {
+
+constexpr int64_t kQuantMaxRows = 256;  // more rows than this: de-quantize and use a GEMM
+constexpr int64_t kQuantBlock = 32;     // weights per block, every kind
+
+// 0 = q4_0, 1 = q4_1, 2 = q8_0 (kernels::QuantKind)
+inline int quant_kind(const std::string& name) {
+  if (name == "q4_0") return 0;
+  if (name == "q4_1") return 1;
+  if (name == "q8_0") return 2;
+  TORCH_CHECK_VALUE(false, "quant_linear: kind must be q4_0, q4_1 or q8_0, got '", name, "'");
+}
+
+inline int64_t quant_block_bytes_of(int kind) { return kind == 0 ? 18 : kind == 1 ? 20 : 34; }
+
+struct QuantShape {
+  int kind;
+  int64_t rows, in, out, row_bytes;
+};
+
+inline QuantShape check_quant_inputs(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind_name,
+                                     const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "quant_linear";
+  const int kind = quant_kind(kind_name);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte, op, ": blocks must be uint8 (the GGUF's bytes), got ",
+              blocks.scalar_type());
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), op,
+              ": blocks must be a contiguous [out, bytes per row] matrix, got ", blocks.sizes(),
+              blocks.is_contiguous() ? "" : " (not contiguous)");
+  check_same_device(op, "blocks", blocks, x, "x");
+  const int64_t bytes = quant_block_bytes_of(kind), row_bytes = blocks.size(1), out = blocks.size(0);
+  TORCH_CHECK_VALUE(row_bytes % bytes == 0, op, ": a ", kind_name, " row is a whole number of ", bytes,
+                    "-byte blocks, got ", row_bytes, " bytes per row");
+  const int64_t in = row_bytes / bytes * kQuantBlock;
+  TORCH_CHECK_VALUE(x.size(-1) == in, op, ": x has ", x.size(-1), " features but blocks hold ", in,
+                    " per row (", row_bytes / bytes, " ", kind_name, " blocks of 32)");
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  TORCH_CHECK_VALUE(rows <= kQuantMaxRows, op, ": at most ", kQuantMaxRows, " rows (de-quantize and use a GEMM), got ",
+                    rows);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias must be ", x.scalar_type(), " like x, got ",
+                bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, op, ": bias must have shape [", out, "], got ",
+                bias->sizes());
+    check_same_device(op, "bias", *bias, x, "x");
+  }
+  return {kind, rows, in, out, row_bytes};
+}
+
+}  // namespace dartree
