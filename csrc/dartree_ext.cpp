@@ -76,6 +76,9 @@ TORCH_LIBRARY(dartree_ext, m) {
   // the same over weights kept in a GGUF's 4-/8-bit blocks (kind: q4_0, q4_1, q8_0)
   m.def("quant_linear(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
   m.def("quant_linear_portable(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
+  // ... with x rounded to 8 bits a block of 32, integer dot products (CPU only)
+  m.def("quant_linear_int8(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
+  m.def("quant_linear_int8_portable(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
   // attention area (CPU only: a verification forward's or a plain step's few query rows)
   m.def("few_rows_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   // drafter area (CPU only: a drafter pass's elementwise steps, one call each)
@@ -93,6 +96,7 @@ namespace dartree {
 std::string few_rows_linear_path_name(const std::string& dtype);  // csrc/cpu/linear.cpp
 std::string vector_build_name();                                   // csrc/cpu/rows.cpp
 std::string quant_linear_path_name();                              // csrc/cpu/quant_linear.cpp
+std::string quant_linear_int8_path_name();                         // csrc/cpu/quant_linear_int8.cpp
 }
 
 namespace {
@@ -114,6 +118,7 @@ pybind11::dict build_info() {
   linear["bfloat16"] = dartree::few_rows_linear_path_name("bfloat16");
   info["few_rows_linear"] = linear;
   info["quant_linear"] = dartree::quant_linear_path_name();
+  info["quant_linear_int8"] = dartree::quant_linear_int8_path_name();
   info["vector_build"] = dartree::vector_build_name();  // the row ops' lanes: avx512, avx2 or base
   return info;
 }

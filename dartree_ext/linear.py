@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import ops
 
 DEFAULT_MAX_ROWS = 65  # a 64-node tree and its root
-LINEAR_KINDS = ("torch", "few_rows", "gguf")  # how a model's linear layers run (set_linear)
+LINEAR_KINDS = ("torch", "few_rows", "gguf", "gguf_int8")  # how a model's linear layers run (set_linear)
 _FLAG = "_dartree_few_rows"
 
 
@@ -101,19 +101,24 @@ def restore_torch_linear(model: torch.nn.Module) -> int:
 
 
 def linear_kind(model: torch.nn.Module) -> str:
-    """``"gguf"`` when ``model``'s linear layers read a GGUF's blocks, ``"few_rows"`` when they are
-    patched with ``few_rows_linear`` alone, else ``"torch"``."""
-    from .quant import quantized_bytes
+    """``"gguf"`` when ``model``'s linear layers read a GGUF's blocks (``"gguf_int8"`` with their
+    inputs rounded to 8 bits), ``"few_rows"`` when they are patched with ``few_rows_linear`` alone,
+    else ``"torch"``."""
+    from .quant import int8_activations, quantized_bytes
     if not any(hasattr(m, _FLAG) for m in model.modules() if isinstance(m, torch.nn.Linear)):
         return "torch"
-    return "gguf" if quantized_bytes(model) else "few_rows"
+    if not quantized_bytes(model):
+        return "few_rows"
+    return "gguf_int8" if int8_activations(model) else "gguf"
 
 
-def linear_kinds(model: torch.nn.Module) -> tuple[str, ...]:
-    """The kinds ``model`` can run: ``"gguf"`` only for a model loaded from a GGUF
-    (:func:`dartree_ext.quant.attach_gguf`)."""
+def linear_kinds(model: torch.nn.Module, auto: bool = False) -> tuple[str, ...]:
+    """The kinds ``model`` can run: ``"gguf"`` and ``"gguf_int8"`` only for a model loaded from a
+    GGUF (:func:`dartree_ext.quant.attach_gguf`). ``auto=True``: the ones ``--linear auto``
+    measures (``"gguf_int8"`` is asked for by name: it rounds the layers' inputs to 8 bits)."""
     from .quant import gguf_source
-    return LINEAR_KINDS if gguf_source(model) else tuple(k for k in LINEAR_KINDS if k != "gguf")
+    kinds = LINEAR_KINDS if gguf_source(model) else tuple(k for k in LINEAR_KINDS if not k.startswith("gguf"))
+    return tuple(k for k in kinds if k != "gguf_int8") if auto else kinds
 
 
 def few_rows_max_rows(model: torch.nn.Module) -> int | None:
@@ -126,17 +131,18 @@ def set_linear(model: torch.nn.Module, kind: str, max_rows: int = DEFAULT_MAX_RO
     layers, and with them its RMSNorms, rotary embedding and SwiGLU activations
     (:mod:`dartree_ext.row_layers`: per-row CPU ops for a forward's small steps). ``"gguf"`` is
     ``"few_rows"`` with the layers the model's GGUF holds in 4-/8-bit blocks reading those blocks
-    (:func:`dartree_ext.quant.use_gguf_layers`; a model loaded from a GGUF only)."""
+    (:func:`dartree_ext.quant.use_gguf_layers`; a model loaded from a GGUF only), ``"gguf_int8"``
+    the same with the layers' inputs rounded to 8 bits (``quant_linear_int8``)."""
     from .quant import restore_quant_linear, use_gguf_layers
     from .row_layers import restore_row_layers, use_row_layers
     if kind not in LINEAR_KINDS:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {kind!r}")
     restore_quant_linear(model)
-    if kind in ("few_rows", "gguf"):
+    if kind != "torch":
         use_few_rows_linear(model, max_rows)
         use_row_layers(model)
-        if kind == "gguf":
-            use_gguf_layers(model, max_rows)
+        if kind.startswith("gguf"):
+            use_gguf_layers(model, max_rows, int8=kind == "gguf_int8")
     else:
         restore_torch_linear(model)
         restore_row_layers(model)

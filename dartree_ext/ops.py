@@ -23,7 +23,7 @@ from ._widths import depth_widths
 
 __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "quant_linear", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "quant_linear", "quant_linear_int8", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "verify_tree"]
 
@@ -192,6 +192,17 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.T
     it (``build_info()["quant_linear"]``), else a portable loop with the same bits. No autograd.
     """
     return _ops.quant_linear.default(x, blocks, kind, bias)
+
+
+def quant_linear_int8(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`quant_linear` with ``x`` rounded to 8 bits a block of 32 inputs (``dx = max|x| / 127``,
+    as llama.cpp does), so the blocks' integer codes meet it in integer dot products (AVX-512 VNNI
+    where the CPU has it, ``build_info()["quant_linear_int8"]``; else a portable loop with the same
+    bits): about 2x faster than :func:`quant_linear` at one row. Batch-invariant; the results differ
+    from :func:`quant_linear`'s by the rounding of ``x`` (the arithmetic: ``csrc/cpu/quant_linear_int8.cpp``,
+    the reference: :func:`dartree_ext.reference.quant_linear_int8`). CPU only, no autograd.
+    """
+    return _ops.quant_linear_int8.default(x, blocks, kind, bias)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -572,7 +583,8 @@ def _quant_linear_fake(x, blocks, kind, bias):
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
 
-torch.library.register_fake("dartree_ext::quant_linear_portable")(_quant_linear_fake)
+for _name in ("quant_linear_portable", "quant_linear_int8", "quant_linear_int8_portable"):
+    torch.library.register_fake(f"dartree_ext::{_name}")(_quant_linear_fake)
 
 
 @torch.library.register_fake("dartree_ext::few_rows_attention")

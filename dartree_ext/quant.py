@@ -140,19 +140,21 @@ def gguf_linears(path: str, config) -> dict[str, tuple[str, torch.Tensor]]:
 # ---- a model's layers --------------------------------------------------------------------------
 
 def _quant_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    kind, blocks, max_rows = getattr(self, _FLAG)
+    kind, blocks, max_rows, int8 = getattr(self, _FLAG)
     weight, bias = self.weight, self.bias
     if (x.is_cpu and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and 0 < x.numel() <= max_rows * x.shape[-1]
             and (bias is None or bias.dtype == x.dtype)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-        return ops.quant_linear(x, blocks, kind, bias)
+        return (ops.quant_linear_int8 if int8 else ops.quant_linear)(x, blocks, kind, bias)
     return F.linear(x, weight, bias)
 
 
-def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.Tensor]], max_rows: int = 65) -> int:
-    """Route the named ``nn.Linear`` layers of ``model`` through :func:`ops.quant_linear` on their
-    blocks for inputs of at most ``max_rows`` rows (``layers``: as :func:`gguf_linears` gives).
-    Each block matrix must de-quantize to the layer's shape. Returns how many were patched."""
+def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.Tensor]], max_rows: int = 65,
+                     int8: bool = False) -> int:
+    """Route the named ``nn.Linear`` layers of ``model`` through :func:`ops.quant_linear` (with
+    ``int8``: :func:`ops.quant_linear_int8`, activations rounded to 8 bits) on their blocks for
+    inputs of at most ``max_rows`` rows (``layers``: as :func:`gguf_linears` gives). Each block
+    matrix must de-quantize to the layer's shape. Returns how many were patched."""
     modules = dict(model.named_modules())
     count = 0
     for name, (kind, blocks) in layers.items():
@@ -163,7 +165,7 @@ def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.
         shape = (blocks.shape[0], blocks.shape[1] // size * BLOCK)
         if shape != tuple(layer.weight.shape):
             raise ValueError(f"use_quant_linear: {name}'s {kind} blocks hold {shape}, the layer {tuple(layer.weight.shape)}")
-        setattr(layer, _FLAG, (kind, blocks, int(max_rows)))
+        setattr(layer, _FLAG, (kind, blocks, int(max_rows), bool(int8)))
         layer.forward = types.MethodType(_quant_forward, layer)
         count += 1
     return count
@@ -183,6 +185,11 @@ def restore_quant_linear(model: torch.nn.Module) -> int:
                 del module.forward
             count += 1
     return count
+
+
+def int8_activations(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s block-patched layers round their inputs to 8 bits (``quant_linear_int8``)."""
+    return any(getattr(m, _FLAG)[3] for m in model.modules() if hasattr(m, _FLAG))
 
 
 def quantized_bytes(model: torch.nn.Module) -> int:
@@ -216,7 +223,7 @@ def gguf_source(model: torch.nn.Module) -> str | None:
     return source.path if source else None
 
 
-def use_gguf_layers(model: torch.nn.Module, max_rows: int = 65) -> int:
+def use_gguf_layers(model: torch.nn.Module, max_rows: int = 65, int8: bool = False) -> int:
     """:func:`use_quant_linear` with every layer the model's GGUF (:func:`attach_gguf`) holds in
     blocks of a kind :func:`ops.quant_linear` runs."""
     source = getattr(model, _SOURCE, None)
@@ -225,7 +232,7 @@ def use_gguf_layers(model: torch.nn.Module, max_rows: int = 65) -> int:
                          "this one was not")
     if source.layers is None:
         source.layers = gguf_linears(source.path, model.config)
-    return use_quant_linear(model, source.layers, max_rows)
+    return use_quant_linear(model, source.layers, max_rows, int8)
 
 
 def use_gguf_linear(model: torch.nn.Module, path: str, max_rows: int = 65) -> int:

@@ -307,6 +307,27 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.T
     return few_rows_linear(x, dequantize(blocks, kind), bias)
 
 
+def quantize_x_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` (K a multiple of 32) rounded to 8 bits a block of 32: ``(qx int8 [..., K],
+    dx float32 [..., K / 32])`` with ``dx = max|x| / 127`` and ``qx = round(x * (1 / dx))`` (half
+    to even, clamped to [-127, 127]; 0 where ``dx = 0``)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    dx = xb.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1.0 / torch.where(dx > 0, dx, 1.0), 0.0)
+    qx = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return qx.reshape(x.shape), dx
+
+
+def quant_linear_int8(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_b dx_b * (qx_b . w_b)`` in float64 with ``x`` rounded as :func:`quantize_x_int8` and
+    the weights de-quantized exactly, rounded to the dtype of ``x`` once."""
+    from .quant import dequantize
+    qx, dx = quantize_x_int8(x)
+    xq = (qx.double().reshape(*x.shape[:-1], -1, 32) * dx.double()[..., None]).reshape(x.shape)
+    y = torch.nn.functional.linear(xq, dequantize(blocks, kind).double(), None if bias is None else bias.double())
+    return y.to(x.dtype)
+
+
 def few_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
                        scale: float | None = None) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` in float64 over repeated key/value heads, rounded to the

@@ -138,9 +138,64 @@ def test_build_info_names_the_path():
     assert dartree_ext.build_info()["quant_linear"] == ("avx512" if HAS_AVX512 else "generic")
 
 
+# ---- quant_linear_int8: x rounded to 8 bits, integer dot products -------------------------------
+
+INT8_OPS = {"fast": torch.ops.dartree_ext.quant_linear_int8, "portable": torch.ops.dartree_ext.quant_linear_int8_portable}
+
+
+def test_int8_x_rounding_hand_built():
+    """The activations' rounding: dx = max|x| / 127 a block, half to even."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, -1.5
+    qx, dx = reference.quantize_x_int8(x)
+    assert dx.tolist() == [[1.0]] and qx[0, :3].tolist() == [127, 0, -2]
+    # one q8_0 block of ones (d = 1): the integer dot of the rounded x
+    blocks = torch.tensor(list(_half(1.0) + bytes([1] * 32)), dtype=torch.uint8)[None]
+    assert ops.quant_linear_int8(x, blocks, "q8_0").item() == 125.0
+
+
+@pytest.mark.parametrize("path", list(INT8_OPS))
+@pytest.mark.parametrize("kind", quant.KINDS)
+@pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 67, False), (9, 96, 37, True), (20, 32, 5, True), (3, 1536, 4, True)])
+def test_int8_matches_reference(path, kind, rows, k, n, bias):
+    blocks, w = _blocks(n, k, kind, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    y = INT8_OPS[path](x, blocks, kind, b)
+    scale = (x.double().abs() @ w.double().abs().T).max().item() + 1.0
+    assert torch.allclose(y.double(), reference.quant_linear_int8(x, blocks, kind, b).double(), atol=1e-5 * scale)
+    # against the float product: the activations' rounding, at most half a step of each block's scale
+    step = reference.quantize_x_int8(x)[1].repeat_interleave(32, -1).double() / 2
+    assert bool(((y.double() - torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())).abs()
+                 <= step @ w.double().abs().T + 1e-5 * scale).all())
+
+
+@pytest.mark.parametrize("kind", quant.KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_same_bits_on_every_path_and_batch_invariant(kind, dtype):
+    blocks, _ = _blocks(41, 160, kind, seed=14)  # 5 blocks: a pair without its second block
+    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(15)).to(dtype)
+    y = ops.quant_linear_int8(x, blocks, kind, None)
+    assert y.dtype == dtype and torch.equal(y, torch.ops.dartree_ext.quant_linear_int8_portable(x, blocks, kind, None))
+    for m in range(19):
+        assert torch.equal(y[m], ops.quant_linear_int8(x[m:m + 1], blocks, kind, None)[0])
+
+
+def test_int8_bad_input():
+    blocks, _ = _blocks(8, 64, "q4_0")
+    with pytest.raises(ValueError, match="quant_linear: x has 63 features"):
+        ops.quant_linear_int8(torch.randn(2, 63), blocks, "q4_0")
+    with pytest.raises(ValueError, match="kind must be"):
+        ops.quant_linear_int8(torch.randn(2, 64), blocks, "q6_k")
+    torch.library.opcheck(torch.ops.dartree_ext.quant_linear_int8.default, (torch.randn(3, 64), blocks, "q4_0", None))
+    assert dartree_ext.build_info()["quant_linear_int8"] in ("avx512_vnni", "generic")
+
+
 # ---- a model on blocks --------------------------------------------------------------------------
 
-def quantized_model(kind: str = "q4_1", seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2):
+def quantized_model(kind: str = "q4_1", seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2,
+                    int8: bool = False):
     """A tiny llama whose linear layers (the output head too) are ``kind`` blocks, with its dense
     weights set to the de-quantized values (what a GGUF loader gives), patched with set_linear's
     few_rows and then the blocks."""
@@ -154,7 +209,7 @@ def quantized_model(kind: str = "q4_1", seed: int = 0, vocab: int = 97, hidden: 
                 module.weight.copy_(quant.dequantize(blocks, kind))
                 found[name] = (kind, blocks)
     set_linear(target, "few_rows")
-    assert quant.use_quant_linear(target, found) == len(found)
+    assert quant.use_quant_linear(target, found, int8=int8) == len(found)
     return target
 
 
@@ -185,18 +240,20 @@ def test_model_patch_refuses_wrong_shapes():
         quant.use_quant_linear(target, {"model.nothing": ("q8_0", blocks)})
 
 
-@pytest.mark.parametrize("kind", quant.KINDS)
-def test_greedy_decoding_lossless_on_blocks(kind, monkeypatch):
+@pytest.mark.parametrize("kind,int8", [("q4_0", False), ("q4_1", False), ("q8_0", False), ("q4_1", True), ("q8_0", True)])
+def test_greedy_decoding_lossless_on_blocks(kind, int8, monkeypatch):
     """Plain decoding and the tree methods on the same block-patched target: equal T = 0 outputs,
-    the trees verified through quant_linear."""
+    the trees verified through quant_linear (or quant_linear_int8)."""
     from dartree_ext.decoding import SpeculativeDecoder
     from models import tiny_drafter
-    target = quantized_model(kind, seed=1)
+    target = quantized_model(kind, seed=1, int8=int8)
+    assert linear_kind(target) == ("gguf_int8" if int8 else "gguf")
     drafter = tiny_drafter(target, seed=2)
     prompts = torch.randint(1, 97, (2, 10), generator=torch.Generator().manual_seed(3))
     rows = []
-    real = quant.ops.quant_linear
-    monkeypatch.setattr(quant.ops, "quant_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
+    name = "quant_linear_int8" if int8 else "quant_linear"
+    real = getattr(quant.ops, name)
+    monkeypatch.setattr(quant.ops, name, lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
     ref = SpeculativeDecoder(target, None, "ar").generate(prompts, max_new_tokens=20).sequences
     for method in ("chain", "dartree", "ddtree"):
         out = SpeculativeDecoder(target, drafter, method, budget=12).generate(prompts, max_new_tokens=20)
@@ -220,8 +277,8 @@ def test_sampling_distribution_on_blocks(monkeypatch):
     quant.use_quant_linear(target, {"lm_head": ("q8_0", found)}, max_rows=10 ** 6)
     for module in target.modules():
         if hasattr(module, quant._FLAG):
-            kind, blocks, _ = getattr(module, quant._FLAG)
-            setattr(module, quant._FLAG, (kind, blocks, 10 ** 6))
+            kind, blocks, _, int8 = getattr(module, quant._FLAG)
+            setattr(module, quant._FLAG, (kind, blocks, 10 ** 6, int8))
     calls = []
     real = quant.ops.quant_linear
 

@@ -4,7 +4,8 @@ each method reads per token, and how far above the floor each runs.
 Plain decoding reads every weight of the target once a token, so bytes / bandwidth is its floor;
 a speculative round reads them once for the verification (and the drafter's once) and gives tau
 tokens. Per set-up of the target (dtype + linear layers: bfloat16 dense, and the GGUF's Q4_1 /
-Q8_0 blocks through ``quant_linear`` in bfloat16 and float32) it decodes the prompt with ``ar``
+Q8_0 blocks through ``quant_linear`` in bfloat16, and through ``quant_linear_int8`` in bfloat16 and
+float32) it decodes the prompt with ``ar``
 and ``dartree`` (the main command's settings), and with ``--llama-cpp`` llama.cpp's plain decoding
 of the same GGUF, in turn ``--repeats`` times; times are past the first token (prefill left out),
 the median of the repeats.
@@ -32,7 +33,7 @@ from dartree_ext.linear import set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 from dartree_ext.quant import _FLAG as QUANT, gguf_source
 
-SETUPS = (("bfloat16", "few_rows"), ("bfloat16", "gguf"), ("float32", "gguf"))
+SETUPS = (("bfloat16", "few_rows"), ("bfloat16", "gguf"), ("bfloat16", "gguf_int8"), ("float32", "gguf_int8"))
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:

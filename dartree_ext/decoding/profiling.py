@@ -112,7 +112,8 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         **({"row_layers": True} if row_layers_used(target) else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
         **({"few_rows_linear": build_info().get("few_rows_linear")} if few_rows else {}),
-        **({"quant_linear": build_info().get("quant_linear")} if linear_kind(target) == "gguf" else {}),
+        **({"quant_linear": build_info().get("quant_linear"), "quant_linear_int8": build_info().get("quant_linear_int8")}
+           if linear_kind(target).startswith("gguf") else {}),
     }
 
 
@@ -382,7 +383,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     sum of the forward times over ``tokens`` new tokens (a plain step and a small tree), measured
     on copies of ``model`` (every set-up in turn, ``reps`` times; the median) and cached like the
     cost model. Off the CPU: torch's linear, and
-    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+gguf]": ms})``."""
+    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+gguf|+gguf_int8]": ms})``."""
     from .. import __version__, build_info
     from ..attention import attention_kind
     from ..linear import LINEAR_KINDS
@@ -403,8 +404,9 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     if list(linears) != ["torch"]:
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")
-    if "gguf" in linears:
+    if any(k.startswith("gguf") for k in linears):
         key["quant_linear"] = build_info().get("quant_linear")
+        key["quant_linear_int8"] = build_info().get("quant_linear_int8")
     path = _key_path(key)
     times = None if refresh else _read_choice(path, key)
     if times is None:
@@ -472,7 +474,7 @@ def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
     ms: dict = {}
     if dtype == "auto" or linear == "auto":
         dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (dtype,)
-        dtype, linear, ms = choose_forward(model, dtypes, linear_kinds(model) if linear == "auto" else (linear,))
+        dtype, linear, ms = choose_forward(model, dtypes, linear_kinds(model, auto=True) if linear == "auto" else (linear,))
     model = model.to(dtype)
     set_linear(model, linear)
     return model, dtype, linear, ms
