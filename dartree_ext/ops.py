@@ -196,11 +196,13 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.T
 
 def quant_linear_int8(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`quant_linear` with ``x`` rounded to 8 bits a block of 32 inputs (``dx = max|x| / 127``,
-    as llama.cpp does), so the blocks' integer codes meet it in integer dot products (AVX-512 VNNI
-    where the CPU has it, ``build_info()["quant_linear_int8"]``; else a portable loop with the same
-    bits): about 2x faster than :func:`quant_linear` at one row. Batch-invariant; the results differ
-    from :func:`quant_linear`'s by the rounding of ``x`` (the arithmetic: ``csrc/cpu/quant_linear_int8.cpp``,
-    the reference: :func:`dartree_ext.reference.quant_linear_int8`). CPU only, no autograd.
+    as llama.cpp does), over ``blocks`` repacked by :func:`dartree_ext.quant.pack_int8` (16 blocks
+    to 16 lanes: the same bytes, rearranged), so the integer codes meet ``x`` in integer dot
+    products and each block's scale is applied once (AVX-512 VNNI where the CPU has it,
+    ``build_info()["quant_linear_int8"]``; else a portable loop with the same bits). Batch-invariant;
+    the results differ from :func:`quant_linear`'s by the rounding of ``x`` (the arithmetic:
+    ``csrc/cpu/quant_linear_int8.cpp``; the reference, on the GGUF layout:
+    :func:`dartree_ext.reference.quant_linear_int8`). CPU only, no autograd.
     """
     return _ops.quant_linear_int8.default(x, blocks, kind, bias)
 

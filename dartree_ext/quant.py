@@ -94,6 +94,29 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return out.reshape(n, -1)
 
 
+def pack_int8(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """``blocks`` (GGUF layout) rearranged for :func:`ops.quant_linear_int8`: each row's blocks in
+    groups of 16 (the last holds the rest, ``L``), a group ``[L fp16 d][L fp16 m: q4_1][codes]`` with
+    the codes as 4-byte words word-major (word ``g`` of block ``l`` at byte ``4 (g L + l)``). The
+    same bytes, the same shape."""
+    size = _check_kind(kind)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise ValueError(f"blocks must be uint8 [N, a multiple of {size}] for {kind}, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    n, nb = blocks.shape[0], blocks.shape[1] // size
+    b = blocks.reshape(n, nb, size)
+    first = 4 if kind == "q4_1" else 2
+    parts = []
+    for start in range(0, nb, 16):
+        g = b[:, start:start + 16]
+        count = g.shape[1]
+        parts.append(g[..., 0:2].reshape(n, 2 * count))
+        if kind == "q4_1":
+            parts.append(g[..., 2:4].reshape(n, 2 * count))
+        parts.append(g[..., first:].reshape(n, count, -1, 4).transpose(1, 2).reshape(n, -1))
+    return torch.cat(parts, 1).contiguous()
+
+
 # ---- GGUF files -------------------------------------------------------------------------------
 
 _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -165,7 +188,7 @@ def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.
         shape = (blocks.shape[0], blocks.shape[1] // size * BLOCK)
         if shape != tuple(layer.weight.shape):
             raise ValueError(f"use_quant_linear: {name}'s {kind} blocks hold {shape}, the layer {tuple(layer.weight.shape)}")
-        setattr(layer, _FLAG, (kind, blocks, int(max_rows), bool(int8)))
+        setattr(layer, _FLAG, (kind, pack_int8(blocks, kind) if int8 else blocks, int(max_rows), bool(int8)))
         layer.forward = types.MethodType(_quant_forward, layer)
         count += 1
     return count

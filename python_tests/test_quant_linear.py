@@ -140,7 +140,16 @@ def test_build_info_names_the_path():
 
 # ---- quant_linear_int8: x rounded to 8 bits, integer dot products -------------------------------
 
-INT8_OPS = {"fast": torch.ops.dartree_ext.quant_linear_int8, "portable": torch.ops.dartree_ext.quant_linear_int8_portable}
+_INT8 = {"fast": torch.ops.dartree_ext.quant_linear_int8, "portable": torch.ops.dartree_ext.quant_linear_int8_portable}
+INT8_OPS = {name: (lambda x, b, kind, bias, op=op: op(x, quant.pack_int8(b, kind), kind, bias)) for name, op in _INT8.items()}
+
+
+def test_pack_int8_hand_built():
+    """Two q4_1 blocks: the d's, then the m's, then word-major codes; the same bytes."""
+    blocks = torch.arange(40, dtype=torch.uint8)[None]  # block 0: bytes 0..19, block 1: 20..39
+    packed = quant.pack_int8(blocks, "q4_1")[0].tolist()
+    assert packed[:8] == [0, 1, 20, 21, 2, 3, 22, 23]
+    assert packed[8:16] == [4, 5, 6, 7, 24, 25, 26, 27] and sorted(packed) == list(range(40))
 
 
 def test_int8_x_rounding_hand_built():
@@ -151,7 +160,7 @@ def test_int8_x_rounding_hand_built():
     assert dx.tolist() == [[1.0]] and qx[0, :3].tolist() == [127, 0, -2]
     # one q8_0 block of ones (d = 1): the integer dot of the rounded x
     blocks = torch.tensor(list(_half(1.0) + bytes([1] * 32)), dtype=torch.uint8)[None]
-    assert ops.quant_linear_int8(x, blocks, "q8_0").item() == 125.0
+    assert ops.quant_linear_int8(x, quant.pack_int8(blocks, "q8_0"), "q8_0").item() == 125.0
 
 
 @pytest.mark.parametrize("path", list(INT8_OPS))
@@ -174,8 +183,9 @@ def test_int8_matches_reference(path, kind, rows, k, n, bias):
 @pytest.mark.parametrize("kind", quant.KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_same_bits_on_every_path_and_batch_invariant(kind, dtype):
-    blocks, _ = _blocks(41, 160, kind, seed=14)  # 5 blocks: a pair without its second block
-    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(15)).to(dtype)
+    blocks, _ = _blocks(41, 704, kind, seed=14)  # 22 blocks: a group of 16 and one of 6
+    blocks = quant.pack_int8(blocks, kind)
+    x = torch.randn(19, 704, generator=torch.Generator().manual_seed(15)).to(dtype)
     y = ops.quant_linear_int8(x, blocks, kind, None)
     assert y.dtype == dtype and torch.equal(y, torch.ops.dartree_ext.quant_linear_int8_portable(x, blocks, kind, None))
     for m in range(19):
