@@ -1,6 +1,9 @@
 // Input checks of quant_linear, shared by the CPU and CUDA entry points.
 #pragma once
 
+#include <c10/util/Half.h>
+
+#include <cstring>
 #include <string>
 
 #include "common.h"
@@ -18,7 +21,14 @@ inline int quant_kind(const std::string& name) {
   TORCH_CHECK_VALUE(false, "quant_linear: kind must be q4_0, q4_1 or q8_0, got '", name, "'");
 }
 
-inline int64_t quant_block_bytes_of(int kind) { return kind == 0 ? 18 : kind == 1 ? 20 : 34; }
+constexpr int64_t quant_block_bytes_of(int kind) { return kind == 0 ? 18 : kind == 1 ? 20 : 34; }
+
+// A block's little-endian fp16 field (d or m) as float32 (exact).
+inline float quant_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 struct QuantShape {
   int kind;

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "../checks/quant.h"
+#include "reduce16.h"
 
 #include <cmath>
 #include <cstdint>
@@ -35,8 +36,6 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
-
-#include "reduce16.h"
 #define DARTREE_AVX512_QUANT 1
 #endif
 
@@ -52,7 +51,7 @@ constexpr int64_t kBlock = kQuantBlock;
 
 enum class Kind { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };  // check_quant_inputs' numbering
 
-constexpr int64_t block_bytes(Kind kind) { return kind == Kind::kQ4_0 ? 18 : kind == Kind::kQ4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(Kind kind) { return quant_block_bytes_of(static_cast<int>(kind)); }
 
 
 template <typename T>
@@ -64,11 +63,6 @@ struct Problem {
   int64_t rows, in, out, row_bytes;
 };
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 template <typename T>
 void store(T* y, float value) {
@@ -78,12 +72,12 @@ void store(T* y, float value) {
 // One block's 32 weights, de-quantized as the header says (portable path and tests' reference order).
 template <Kind K>
 void dequant_block(const uint8_t* blk, float* w) {
-  const float d = half_at(blk);
+  const float d = quant_half(blk);
   if constexpr (K == Kind::kQ8_0) {
     for (int e = 0; e < 32; ++e) w[e] = d * static_cast<float>(static_cast<int8_t>(blk[2 + e]));
   } else {
     const uint8_t* qs = blk + (K == Kind::kQ4_1 ? 4 : 2);
-    const float m = K == Kind::kQ4_1 ? half_at(blk + 2) : 0.0f;
+    const float m = K == Kind::kQ4_1 ? quant_half(blk + 2) : 0.0f;
     for (int e = 0; e < 16; ++e) {
       const int lo = qs[e] & 0x0F, hi = qs[e] >> 4;
       if constexpr (K == Kind::kQ4_1) {
@@ -97,14 +91,6 @@ void dequant_block(const uint8_t* blk, float* w) {
   }
 }
 
-// 16 lanes summed as reduce16 sums them (halves pairwise: 8, 4, 2, 1).
-inline float reduce_lanes(const float* l) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = l[i] + l[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
-  return s2a + s2b;
-}
 
 // Portable path: the vector paths' arithmetic, one lane at a time.
 template <Kind K, typename T>
@@ -119,7 +105,7 @@ void quant_generic(const Problem<T>& p, int64_t n_begin, int64_t n_end) {
         dequant_block<K>(p.w + n * p.row_bytes + b * block_bytes(K), w);
         for (int e = 0; e < 32; ++e) lanes[e % 16] = std::fma(x[b * kBlock + e], w[e], lanes[e % 16]);
       }
-      float sum = reduce_lanes(lanes);
+      float sum = reduce16_lanes(lanes);
       if (p.bias != nullptr) sum += p.bias[n];
       store(p.y + m * p.out + n, sum);
     }

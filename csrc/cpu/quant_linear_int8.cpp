@@ -36,11 +36,10 @@
 #include <vector>
 
 #include "../checks/quant.h"
+#include "reduce16.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
-
-#include "reduce16.h"
 #define DARTREE_VNNI_QUANT 1
 #endif
 
@@ -51,11 +50,6 @@ enum Kind : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int64_t kGroup = 16;              // blocks a group, one a lane
 constexpr int64_t kPrefetchBytes = 4096;    // as quant_linear.cpp
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 inline int words_of(int kind) { return kind == kQ8_0 ? 8 : 4; }
 
@@ -125,12 +119,6 @@ inline GroupAt group_at(const Problem& p, const uint8_t* row, int64_t k) {
   return {count, start, m, p.kind == kQ4_1 ? m + 2 * count : m};
 }
 
-inline float reduce_lanes(const float* l) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = l[i] + l[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 // The integer dot of block l of a group with its rounded inputs.
 inline int32_t block_dot(const Problem& p, const GroupAt& g, int64_t l, const int8_t* xq) {
@@ -161,16 +149,16 @@ void int8_generic(const Problem& p, T* y, int64_t n_begin, int64_t n_end) {
         for (int64_t l = 0; l < 16; ++l) {
           const bool live = l < g.count;
           const float dot = live ? static_cast<float>(block_dot(p, g, l, xq)) : 0.0f;
-          const float d = live ? half_at(g.d + 2 * l) : 0.0f, dx = x.dx[at * 16 + l], tc = x.tc[at * 16 + l];
+          const float d = live ? quant_half(g.d + 2 * l) : 0.0f, dx = x.dx[at * 16 + l], tc = x.tc[at * 16 + l];
           if (p.kind == kQ4_1) {
-            const float mm = live ? half_at(g.m + 2 * l) : 0.0f;
+            const float mm = live ? quant_half(g.m + 2 * l) : 0.0f;
             acc[l] = std::fma(mm, tc, std::fma(dot * dx, d, acc[l]));
           } else {
             acc[l] = std::fma(std::fma(dot, dx, tc), d, acc[l]);
           }
         }
       }
-      float sum = reduce_lanes(acc);
+      float sum = reduce16_lanes(acc);
       if (p.bias != nullptr) sum += p.bias[n];
       y[m * p.out + n] = static_cast<T>(sum);
     }

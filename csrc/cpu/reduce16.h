@@ -2,6 +2,18 @@
 // (8, 4, 2, 1). Shared by few_rows_linear and quant_linear, whose results are specified in it.
 #pragma once
 
+namespace dartree {
+
+// The same order on 16 floats in memory (the portable paths).
+inline float reduce16_lanes(const float* l) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = l[i] + l[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+}  // namespace dartree
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
 
