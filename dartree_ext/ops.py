@@ -25,7 +25,7 @@ __all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree",
            "ddtree_heap",
            "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "quant_linear", "quant_linear_int8", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
-           "tree_attention_mask", "tree_links", "verify_tree"]
+           "tree_attention_mask", "tree_links", "validate_inputs", "verify_tree"]
 
 MAX_TREE_NODES = 8192
 MAX_HEAP_BUDGET = 2048
@@ -59,11 +59,23 @@ def _layout_ok(parents: torch.Tensor, num_nodes: torch.Tensor) -> bool:
 
 
 def _refuse_nan(op: str, name: str, values: torch.Tensor, live: torch.Tensor | None = None) -> None:
-    """A ``ValueError`` naming the first NaN of ``values`` (where ``live``, if given)."""
-    bad = values.isnan() if live is None else values.isnan() & live
+    """A ``ValueError`` naming the first NaN or +inf score of ``values`` (where ``live``, if given)."""
+    bad = (values < float("inf")).logical_not_()  # NaN or +inf, in one pass
+    if live is not None:
+        bad &= live
     if bool(bad.any()):
-        where = ", ".join(str(int(i)) for i in bad.nonzero()[0])
-        raise ValueError(f"{op}: {name}[{where}] is NaN; scores must be numbers (-inf for none)")
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        what = "NaN" if bool(values[at].isnan()) else "+inf"
+        raise ValueError(f"{op}: {name}[{', '.join(map(str, at))}] is {what}; scores must be numbers (-inf for none)")
+
+
+def _refuse_nonfinite(op: str, name: str, values: torch.Tensor) -> None:
+    """A ``ValueError`` naming the first NaN or infinite entry of an activation ``values``."""
+    if values.is_floating_point():
+        bad = ~values.isfinite()
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{op}: {name}[{', '.join(map(str, at))}] = {float(values[at])} is not finite")
 
 
 def _refuse_ids(op: str, name: str, ids: torch.Tensor, vocab: int | None = None) -> None:
@@ -80,11 +92,126 @@ def _live(num: torch.Tensor, size: int) -> torch.Tensor:
     return torch.arange(size, device=num.device)[None] < num[:, None].long()
 
 
-def _maybe_check(parents: torch.Tensor, num_nodes: torch.Tensor, validate: bool, op: str) -> None:
-    # CPU kernels always check values themselves. A bad layout (dtype, rank, batch, size) is left
-    # to the op's own checks, so the error is the same on every device.
-    if validate and parents.device.type != "cpu" and _layout_ok(parents, num_nodes):
-        check_tree(parents, num_nodes, op)
+def _on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+# What ``validate=True`` adds, one function per op taking the op's arguments. ``on_device``: the
+# inputs go to a CUDA kernel, so the value checks the CPU kernels make themselves (tree layout,
+# counts, token ids, sorted log-probs) run here first, on the device (a synchronization). A bad
+# layout (dtype, rank, batch, size) is left to the op's own checks, so the error is the same on
+# every device. :func:`validate_inputs` runs them by name.
+
+def _validate_tree(op: str):
+    def validate(parents, num_nodes, *_, on_device: bool) -> None:
+        if on_device and _layout_ok(parents, num_nodes):
+            check_tree(parents, num_nodes, op)
+    return validate
+
+
+def _validate_verify_tree(tokens, parents, num_nodes, target_tokens, *, on_device: bool) -> None:
+    _validate_tree("verify_tree")(parents, num_nodes, on_device=on_device)
+    if on_device and _layout_ok(parents, num_nodes) and tokens.shape == parents.shape:
+        live = _live(num_nodes, parents.shape[1])
+        _refuse_ids("verify_tree", "tokens", torch.where(live & (torch.arange(parents.shape[1], device=live.device) > 0),
+                                                         tokens, 0))
+        if target_tokens.shape == parents.shape:
+            _refuse_ids("verify_tree", "target_tokens", torch.where(live, target_tokens, 0))
+
+
+def _refuse_count(op: str, name: str, counts: torch.Tensor, most: int, on_device: bool) -> None:
+    if on_device:
+        bad = (counts < 0) | (counts > most)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{op}: {name}[{b}] = {int(counts[b])} is outside [0, {most}]")
+
+
+def _validate_select_top_w(parent_scores, child_logprobs, num_parents, width, *, on_device: bool) -> None:
+    if parent_scores.dim() == 2 and num_parents.dim() == 1:
+        _refuse_count("select_top_w", "num_parents", num_parents, parent_scores.shape[1], on_device)
+    if parent_scores.dim() == 2 and child_logprobs.dim() == 3 and num_parents.dim() == 1 \
+            and child_logprobs.shape[:2] == parent_scores.shape and num_parents.shape[0] == parent_scores.shape[0]:
+        live = _live(num_parents, parent_scores.shape[1])
+        _refuse_nan("select_top_w", "parent_scores", parent_scores, live)
+        _refuse_nan("select_top_w", "child_logprobs", child_logprobs, live[..., None])
+
+
+def _validate_select_top_b(parents, scores, num_nodes, budget, *, on_device: bool) -> None:
+    _validate_tree("select_top_b")(parents, num_nodes, on_device=on_device)
+    if _layout_ok(parents, num_nodes) and scores.shape == parents.shape:
+        _refuse_nan("select_top_b", "scores", scores, _live(num_nodes, parents.shape[1]))
+
+
+def _validate_ddtree_heap(logprobs, token_ids, root_tokens, budget, *, on_device: bool) -> None:
+    if not on_device or logprobs.dim() != 3:
+        return
+    unsorted = (logprobs[..., 1:] > logprobs[..., :-1]) | logprobs.isnan()[..., 1:] | logprobs.isnan()[..., :-1]
+    if bool(unsorted.any()):
+        b, d, j = (int(v) for v in unsorted.nonzero()[0])
+        raise ValueError(f"ddtree_heap: logprobs[{b}, {d}] must be sorted in descending order (and free of "
+                         f"NaN); entries {j} and {j + 1} are not")
+    if logprobs.shape[-1] and bool((logprobs[..., 0] == float("inf")).any()):
+        b, d = (int(v) for v in (logprobs[..., 0] == float("inf")).nonzero()[0])
+        raise ValueError(f"ddtree_heap: logprobs[{b}, {d}, 0] = inf is not a log-probability (NaN or +inf)")
+    _refuse_ids("ddtree_heap", "token_ids", token_ids)
+    _refuse_ids("ddtree_heap", "root_tokens", root_tokens)
+
+
+def _validate_candidates(op: str, head, z, cand_ids, cand_base, on_device: bool) -> None:
+    if on_device and cand_ids.dtype == torch.long:
+        _refuse_ids(op, "cand_ids", cand_ids, int(head.gru_table.shape[0]))
+    if cand_base.is_floating_point():
+        _refuse_nan(op, "cand_base", cand_base)
+    _refuse_nonfinite(op, "z", z)
+
+
+def _validate_expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
+                           depth_bonus=-0.2, *, on_device: bool) -> None:
+    _validate_candidates("expand_depth", head, z, cand_ids, cand_base, on_device)
+    if parent_scores.dim() == 2 and num_parents.dim() == 1 and num_parents.shape[0] == parent_scores.shape[0]:
+        _refuse_count("expand_depth", "num_parents", num_parents, parent_scores.shape[1], on_device)
+        live = _live(num_parents, parent_scores.shape[1])
+        _refuse_nan("expand_depth", "parent_scores", parent_scores, live)
+        if parent_states.dim() == 3 and parent_states.shape[:2] == parent_scores.shape:
+            _refuse_nonfinite("expand_depth", "parent_states", torch.where(live[..., None], parent_states, 0))
+
+
+def _validate_build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2, *,
+                              on_device: bool) -> None:
+    _validate_candidates("build_supertree", head, z, cand_ids, cand_base, on_device)
+    _refuse_nonfinite("build_supertree", "root_state", root_state)
+
+
+def _validate_compact_kv_paged(caches, block_table, src_positions, dst_start, lengths, *, on_device: bool) -> None:
+    if on_device and caches:
+        # the CPU op's checks on host copies, over an empty stand-in pool of the same pages
+        stand_in = torch.empty(caches[0].shape[0], caches[0].shape[1], 0, dtype=caches[0].dtype)
+        _ops.compact_kv_paged_.default([stand_in], block_table.cpu(), src_positions.cpu(), dst_start.cpu(),
+                                       lengths.cpu())
+
+
+_VALIDATORS = {
+    **{op: _validate_tree(op) for op in ("tree_ancestor_bits", "tree_attention_mask", "tree_links")},
+    "verify_tree": _validate_verify_tree,
+    "select_top_w": _validate_select_top_w,
+    "select_top_b": _validate_select_top_b,
+    "ddtree_heap": _validate_ddtree_heap,
+    "expand_depth": _validate_expand_depth,
+    "build_supertree": _validate_build_supertree,
+    "compact_kv_paged_": _validate_compact_kv_paged,
+}
+
+
+def validate_inputs(op: str, *args, on_device: bool = True) -> None:
+    """The data checks ``op``'s wrapper makes with ``validate=True``, on the op's positional
+    arguments (``ValueError`` naming the argument and the entry). ``on_device=True`` adds the
+    value checks the CPU kernels make themselves, as the wrapper does before a CUDA kernel; the
+    tests' CUDA emulation runs them before the emulated kernels, so the CUDA path's checks are
+    tested without a GPU."""
+    if op not in _VALIDATORS:
+        raise ValueError(f"validate_inputs: no data checks for {op!r}; ops with them: {', '.join(sorted(_VALIDATORS))}")
+    _VALIDATORS[op](*args, on_device=on_device)
 
 
 def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor, *,
@@ -96,7 +223,8 @@ def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor, *,
     included, and ``depths int32[B, N]`` (root 0). Padding rows hold only their own bit and
     depth -1.
     """
-    _maybe_check(parents, num_nodes, validate, "tree_ancestor_bits")
+    if validate:
+        _VALIDATORS["tree_ancestor_bits"](parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_ancestor_bits.default(parents, num_nodes)
 
 
@@ -109,7 +237,8 @@ def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor, past_key
     which carries left padding and holes). Column ``P + j`` is tree node ``j``: visible iff ``j``
     is on ``i``'s root path. Padding nodes see only themselves, so no row is fully hidden.
     """
-    _maybe_check(parents, num_nodes, validate, "tree_attention_mask")
+    if validate:
+        _VALIDATORS["tree_attention_mask"](parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_attention_mask.default(parents, num_nodes, past_key_mask, dtype)
 
 
@@ -121,7 +250,8 @@ def tree_links(parents: torch.Tensor, num_nodes: torch.Tensor, *,
     ``next_sibling int32[B, N]`` (next child of the same parent in index order, -1 at the end).
     Padding nodes get -1 in both.
     """
-    _maybe_check(parents, num_nodes, validate, "tree_links")
+    if validate:
+        _VALIDATORS["tree_links"](parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_links.default(parents, num_nodes)
 
 
@@ -153,12 +283,8 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Te
     ``accept_len int32[B]`` (accepted draft nodes, root excluded) and ``bonus int64[B]`` (the
     target's token after the last accepted node).
     """
-    _maybe_check(parents, num_nodes, validate, "verify_tree")
-    if validate and parents.device.type != "cpu" and _layout_ok(parents, num_nodes) and tokens.shape == parents.shape:
-        live = _live(num_nodes, parents.shape[1])
-        _refuse_ids("verify_tree", "tokens", torch.where(live & (torch.arange(parents.shape[1], device=live.device) > 0),
-                                                         tokens, 0))
-        _refuse_ids("verify_tree", "target_tokens", torch.where(live, target_tokens, 0))
+    if validate:
+        _validate_verify_tree(tokens, parents, num_nodes, target_tokens, on_device=_on_device(parents))
     return _ops.verify_tree.default(tokens, parents, num_nodes, target_tokens)
 
 
@@ -291,17 +417,8 @@ def select_top_w(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, num_
     best first; ties go to the lower flat index ``p * K + k``; NaN scores rank as -inf. Where a
     request has fewer than W children, the rest is padded with -1, -1 and -inf. ``width >= 1``.
     """
-    if validate and parent_scores.device.type != "cpu":
-        bad = (num_parents < 0) | (num_parents > parent_scores.shape[1])
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"select_top_w: num_parents[{b}] = {int(num_parents[b])} is outside "
-                             f"[0, {parent_scores.shape[1]}]")
-    if validate and parent_scores.dim() == 2 and child_logprobs.dim() == 3 and num_parents.dim() == 1 \
-            and child_logprobs.shape[:2] == parent_scores.shape and num_parents.shape[0] == parent_scores.shape[0]:
-        live = _live(num_parents, parent_scores.shape[1])
-        _refuse_nan("select_top_w", "parent_scores", parent_scores, live)
-        _refuse_nan("select_top_w", "child_logprobs", child_logprobs, live[..., None])
+    if validate:
+        _validate_select_top_w(parent_scores, child_logprobs, num_parents, width, on_device=_on_device(parent_scores))
     return _ops.select_top_w.default(parent_scores, child_logprobs, num_parents, width)
 
 
@@ -320,9 +437,8 @@ def select_top_b(parents: torch.Tensor, scores: torch.Tensor, num_nodes: torch.T
     topological, root first, padded with -1), ``new_parents int32[B, budget + 1]`` (parents as
     indices into ``keep``, -1 for the root and padding) and ``num_kept int32[B]`` (root included).
     """
-    _maybe_check(parents, num_nodes, validate, "select_top_b")
-    if validate and _layout_ok(parents, num_nodes) and scores.shape == parents.shape:
-        _refuse_nan("select_top_b", "scores", scores, _live(num_nodes, parents.shape[1]))
+    if validate:
+        _validate_select_top_b(parents, scores, num_nodes, budget, on_device=_on_device(parents))
     return _ops.select_top_b.default(parents, scores, num_nodes, budget)
 
 
@@ -342,17 +458,8 @@ def ddtree_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: to
     ``parents int32``, ``depths int32``, ``scores float32`` (root 0) and ``num_nodes int32[B]``
     (root included); padding has token 0, parent -1, depth -1, score -inf.
     """
-    if validate and logprobs.device.type != "cpu":
-        unsorted = (logprobs[..., 1:] > logprobs[..., :-1]) | logprobs.isnan()[..., 1:] | logprobs.isnan()[..., :-1]
-        if bool(unsorted.any()):
-            b, d, j = (int(v) for v in unsorted.nonzero()[0])
-            raise ValueError(f"ddtree_heap: logprobs[{b}, {d}] must be sorted in descending order (and free of "
-                             f"NaN); entries {j} and {j + 1} are not")
-        if logprobs.shape[-1] and bool((logprobs[..., 0] == float("inf")).any()):
-            b, d = (int(v) for v in (logprobs[..., 0] == float("inf")).nonzero()[0])
-            raise ValueError(f"ddtree_heap: logprobs[{b}, {d}, 0] = inf is not a log-probability (NaN or +inf)")
-        _refuse_ids("ddtree_heap", "token_ids", token_ids)
-        _refuse_ids("ddtree_heap", "root_tokens", root_tokens)
+    if validate:
+        _validate_ddtree_heap(logprobs, token_ids, root_tokens, budget, on_device=_on_device(logprobs))
     return _ops.ddtree_heap.default(logprobs, token_ids, root_tokens, budget)
 
 
@@ -455,9 +562,8 @@ def expand_depth(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: torch
     parents' scores, raise ``ValueError``.
     """
     if validate:
-        _check_candidates("expand_depth", head, cand_ids, cand_base)
-        if parent_scores.dim() == 2 and num_parents.dim() == 1 and num_parents.shape[0] == parent_scores.shape[0]:
-            _refuse_nan("expand_depth", "parent_scores", parent_scores, _live(num_parents, parent_scores.shape[1]))
+        _validate_expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
+                               on_device=_on_device(cand_ids))
     return _ops.expand_depth.default(z, cand_ids, cand_base, parent_states, parent_scores, num_parents,
                                      *_head_tensors(head), width, depth_bonus)
 
@@ -477,17 +583,10 @@ def build_supertree(head, z: torch.Tensor, cand_ids: torch.Tensor, cand_base: to
     padding: depth -1, parent -1, score -inf, token 0. ``validate=True``: as :func:`expand_depth`.
     """
     if validate:
-        _check_candidates("build_supertree", head, cand_ids, cand_base)
+        _validate_build_supertree(head, z, cand_ids, cand_base, root_state, width, on_device=_on_device(cand_ids))
     return _ops.build_supertree.default(z, cand_ids, cand_base, root_state, *_head_tensors(head),
                                         depth_widths(width, z.shape[1], exact=True),
                                         depth_bonus)
-
-
-def _check_candidates(op: str, head, cand_ids: torch.Tensor, cand_base: torch.Tensor) -> None:
-    if cand_ids.device.type != "cpu" and cand_ids.dtype == torch.long:
-        _refuse_ids(op, "cand_ids", cand_ids, int(head.gru_table.shape[0]))
-    if cand_base.is_floating_point():
-        _refuse_nan(op, "cand_base", cand_base)
 
 
 @torch.library.register_fake("dartree_ext::expand_depth")
@@ -557,12 +656,11 @@ def compact_kv_paged_(caches: list[torch.Tensor], block_table: torch.Tensor, src
     logical ``dst_start[b] + i``, in every pool. The CPU op checks every value before moving
     anything (``ValueError``, pools untouched): pages inside the pool, a request's touched pages
     distinct, no slot written by two requests or written by one and read by another. CUDA checks
-    dtypes, shapes and devices only, unless ``validate=True`` (a host copy of the indices)."""
-    if validate and block_table.device.type != "cpu" and caches:
-        # the CPU op's checks on host copies, over an empty stand-in pool of the same pages
-        stand_in = torch.empty(caches[0].shape[0], caches[0].shape[1], 0, dtype=caches[0].dtype)
-        _ops.compact_kv_paged_.default([stand_in], block_table.cpu(), src_positions.cpu(), dst_start.cpu(),
-                                       lengths.cpu())
+    dtypes, shapes and devices only, unless ``validate=True`` (the CPU op's checks on a host copy of
+    the indices); its kernel skips a move whose position or page lies outside the table or the pool."""
+    if validate:
+        _validate_compact_kv_paged(caches, block_table, src_positions, dst_start, lengths,
+                                   on_device=_on_device(block_table))
     _ops.compact_kv_paged_.default(list(caches), block_table, src_positions, dst_start, lengths)
 
 

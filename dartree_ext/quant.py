@@ -33,15 +33,15 @@ KINDS = tuple(BLOCK_BYTES)
 _FLAG = "_dartree_quant"
 
 
-def _check_kind(kind: str) -> int:
+def _check_kind(kind: str, op: str = "quant") -> int:
     if kind not in BLOCK_BYTES:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise ValueError(f"{op}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return BLOCK_BYTES[kind]
 
 
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """``blocks uint8[N, K / 32 * bytes]`` as float32 ``[N, K]`` (the layouts above)."""
-    size = _check_kind(kind)
+    size = _check_kind(kind, "dequantize")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise ValueError(f"blocks must be uint8 [N, a multiple of {size}] for {kind}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")
@@ -65,7 +65,7 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """``weight [N, K]`` (K a multiple of 32) in ``kind``'s blocks, rounded as ggml's reference
     quantizers round (q4_0: ``d = max / -8`` of the largest-magnitude value; q4_1: ``d = (max - min)
     / 15``, ``m = min``; q8_0: ``d = amax / 127``)."""
-    size = _check_kind(kind)
+    size = _check_kind(kind, "quantize")
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"weight must be [N, a multiple of {BLOCK}], got {tuple(weight.shape)}")
     n = weight.shape[0]
@@ -99,7 +99,7 @@ def pack_int8(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     groups of 16 (the last holds the rest, ``L``), a group ``[L fp16 d][L fp16 m: q4_1][codes]`` with
     the codes as 4-byte words word-major (word ``g`` of block ``l`` at byte ``4 (g L + l)``). The
     same bytes, the same shape."""
-    size = _check_kind(kind)
+    size = _check_kind(kind, "pack_int8")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise ValueError(f"blocks must be uint8 [N, a multiple of {size}] for {kind}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")

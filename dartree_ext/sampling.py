@@ -1,6 +1,8 @@
 """Turning the target's logits at the tree nodes into the tokens verification walks along."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import ops
@@ -86,12 +88,14 @@ def target_tokens_from_logits(logits: torch.Tensor, temperature: float = 0.0, to
     reproducibility. Verifying against these samples is lossless: every emitted token is a
     sample of the target.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"target_tokens_from_logits: temperature must be finite and >= 0, got {temperature}")
+    if not logits.is_floating_point():
+        raise TypeError(f"target_tokens_from_logits: logits must be floating-point, got {logits.dtype}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        raise ValueError(f"target_tokens_from_logits: top_k must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        raise ValueError(f"target_tokens_from_logits: top_p must be in (0, 1] or None, got {top_p}")
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"target_tokens_from_logits: logits must be [..., V] with V >= 1, got {tuple(logits.shape)}")
     one_call = logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)

@@ -367,7 +367,7 @@ def _finish(op: str, ce_loss, vh_loss, first_reject, accept, weights, valid, vh_
         if not bool(valid.any()):
             raise ValueError(f"{op}: valid has no True entry; the loss needs at least one valid position")
         if not bool(torch.isfinite(loss.detach())):
-            raise FloatingPointError(f"{op}: the loss is {float(loss)}: {diagnose()}")
+            raise FloatingPointError(f"{op}: the loss is {float(loss.detach())}: {diagnose()}")
     return out
 
 

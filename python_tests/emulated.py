@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from dartree_ext import ops as _registered_ops
 from dartree_ext._widths import depth_widths
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ _SIGNATURES = {
     "emu_ddtree_heap": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "emu_expand_depth": [_P, _P, _P, _P],
     "emu_compact_kv_layers": [_P, _P, _P, _I, _I, _I, ctypes.c_int64, _P, _P, _P, _I],
-    "emu_compact_kv_paged": [_P, _P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
+    "emu_compact_kv_paged": [_P, _P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int64],
     "emu_build_supertree": [_P, _P],
     "emu_vat_row_forward": [_I, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, _P, _P, _P, _P, _P],
     "emu_vat_row_backward": [_I, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P],
@@ -241,6 +242,8 @@ class EmulatedOps:
                     traffic.write_bytes += delta[2]
 
     def tree_ancestor_bits(self, parents, num_nodes, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("tree_ancestor_bits", parents, num_nodes)
         batch, n_max = parents.shape
         bits = torch.empty(batch, n_max, _words(n_max), dtype=torch.int64)
         depths = torch.empty(batch, n_max, dtype=torch.int32)
@@ -249,6 +252,8 @@ class EmulatedOps:
         return bits, depths
 
     def tree_attention_mask(self, parents, num_nodes, past_key_mask, dtype=torch.float32, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("tree_attention_mask", parents, num_nodes, past_key_mask)
         batch, n_max = parents.shape
         past = past_key_mask.shape[1]
         out = torch.empty(batch, 1, n_max, past + n_max, dtype=dtype)
@@ -260,6 +265,8 @@ class EmulatedOps:
         return out
 
     def tree_links(self, parents, num_nodes, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("tree_links", parents, num_nodes)
         next_token = torch.empty_like(parents)
         next_sibling = torch.empty_like(parents)
         self.call("emu_tree_links", self._ptr(parents), self._ptr(num_nodes), *parents.shape, self._ptr(next_token),
@@ -273,6 +280,8 @@ class EmulatedOps:
         return out
 
     def verify_tree(self, tokens, parents, num_nodes, target_tokens, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("verify_tree", tokens, parents, num_nodes, target_tokens)
         batch, n_max = parents.shape
         accept_nodes = torch.empty_like(parents)
         accept_len = torch.empty(batch, dtype=torch.int32)
@@ -297,6 +306,8 @@ class EmulatedOps:
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
     def select_top_w(self, parent_scores, child_logprobs, num_parents, width, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("select_top_w", parent_scores, child_logprobs, num_parents, width)
         batch, p_max, k = child_logprobs.shape
         parent_idx = torch.empty(batch, width, dtype=torch.int32)
         child_k = torch.empty(batch, width, dtype=torch.int32)
@@ -306,6 +317,8 @@ class EmulatedOps:
         return parent_idx, child_k, scores
 
     def select_top_b(self, parents, scores, num_nodes, budget, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("select_top_b", parents, scores, num_nodes, budget)
         batch, n_max = parents.shape
         keep = torch.empty(batch, budget + 1, dtype=torch.int32)
         new_parents = torch.empty(batch, budget + 1, dtype=torch.int32)
@@ -315,6 +328,8 @@ class EmulatedOps:
         return keep, new_parents, num_kept
 
     def ddtree_heap(self, logprobs, token_ids, root_tokens, budget, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("ddtree_heap", logprobs, token_ids, root_tokens, budget)
         batch, depth_max, k = logprobs.shape
         tokens = torch.empty(batch, budget + 1, dtype=torch.int64)
         parents = torch.empty(batch, budget + 1, dtype=torch.int32)
@@ -343,6 +358,8 @@ class EmulatedOps:
                       self._ptr(dst_start), self._ptr(lengths), src_positions.shape[1])
 
     def compact_kv_paged_(self, caches, block_table, src_positions, dst_start, lengths, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("compact_kv_paged_", caches, block_table, src_positions, dst_start, lengths)
         slots = caches[0].shape[0] * caches[0].shape[1]
         row_bytes = [c.numel() // max(1, slots) * c.element_size() for c in caches]
         unit = 4 if all(r % 4 == 0 for r in row_bytes) else 2 if all(r % 2 == 0 for r in row_bytes) else 1
@@ -350,7 +367,8 @@ class EmulatedOps:
         units = torch.tensor([r // unit for r in row_bytes], dtype=torch.int64)
         self.call("emu_compact_kv_paged", ctypes.cast(bases, ctypes.c_void_p), self._ptr(units), len(caches), unit,
                   block_table.shape[0], caches[0].shape[1], self._ptr(block_table), block_table.shape[1],
-                  self._ptr(src_positions), self._ptr(dst_start), self._ptr(lengths), src_positions.shape[1])
+                  self._ptr(src_positions), self._ptr(dst_start), self._ptr(lengths), src_positions.shape[1],
+                  caches[0].shape[0])
 
     # vat area: the raw kernels (EmulatedVatKernels), composed by dartree_ext.vat like the real ops
     def vat_row_forward(self, draft, target, tokens, uniforms, temperature):
@@ -391,7 +409,10 @@ class EmulatedOps:
 
     # expand area: the launchers take structs; these mirrors must match csrc/kernels/launchers.h
     def expand_depth(self, head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
-                     depth_bonus=-0.2):
+                     depth_bonus=-0.2, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("expand_depth", head, z, cand_ids, cand_base, parent_states, parent_scores,
+                                            num_parents, width)
         w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
                                                             head.w_hh, head.b_hh)
         batch, k = cand_ids.shape
@@ -413,7 +434,9 @@ class EmulatedOps:
                   ctypes.addressof(outputs))
         return parent_idx, child_k, scores, tokens, states
 
-    def build_supertree(self, head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2):
+    def build_supertree(self, head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2, *, validate=False):
+        if validate:
+            _registered_ops.validate_inputs("build_supertree", head, z, cand_ids, cand_base, root_state, width)
         w_s, fc2_weight, fc2_bias, gru_table, w_hh, b_hh = (head.w_s, head.fc2_weight, head.fc2_bias, head.gru_table,
                                                             head.w_hh, head.b_hh)
         batch, depth, k = cand_ids.shape

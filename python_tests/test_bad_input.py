@@ -140,7 +140,7 @@ def test_verify_target_wrong_shape(device):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"temperature": -1.0}, "temperature must be finite and >= 0"),
     ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
     ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),

@@ -114,7 +114,7 @@ def test_bad_input():
         ops.quant_linear(x, blocks, "q4_1")  # 36 bytes a row: not q4_1's
     with pytest.raises(ValueError, match="x has 63 features but blocks hold 64"):
         ops.quant_linear(torch.randn(2, 63), blocks, "q4_0")
-    with pytest.raises(ValueError, match="at most 256 rows"):
+    with pytest.raises(ValueError, match=r"x has \d+ rows, at most 256"):
         ops.quant_linear(torch.randn(257, 64), blocks, "q4_0")
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
         ops.quant_linear(x.double(), blocks, "q4_0")
@@ -194,7 +194,7 @@ def test_int8_same_bits_on_every_path_and_batch_invariant(kind, dtype):
 
 def test_int8_bad_input():
     blocks, _ = _blocks(8, 64, "q4_0")
-    with pytest.raises(ValueError, match="quant_linear: x has 63 features"):
+    with pytest.raises(ValueError, match="quant_linear_int8: x has 63 features"):
         ops.quant_linear_int8(torch.randn(2, 63), blocks, "q4_0")
     with pytest.raises(ValueError, match="kind must be"):
         ops.quant_linear_int8(torch.randn(2, 64), blocks, "q6_k")

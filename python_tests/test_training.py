@@ -99,6 +99,55 @@ def test_training_resumes_exactly(tmp_path):
     assert os.path.exists(tmp_path / "a" / "drafter" / "model.safetensors")
 
 
+_KILLED_RUN = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from dartree_ext.training import Trainer
+from test_training import make_trainer
+save = Trainer.save_checkpoint
+def save_or_hang(self):
+    if self.step == 4:  # steps 3 and 4 are done and logged, the last checkpoint is step 2's
+        open(os.path.join({out!r}, "at_step_4"), "w").close()
+        time.sleep(600)  # killed here
+    save(self)
+Trainer.save_checkpoint = save_or_hang
+make_trainer({out!r}, steps=6).train()
+"""
+
+
+def test_training_killed_mid_run_resumes_to_the_same_result(tmp_path):
+    """A real training process killed (SIGKILL) two steps past its last checkpoint resumes from it
+    to the weights of an uninterrupted run, and its log holds every step once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    whole = make_trainer(tmp_path / "whole", steps=6)
+    whole.train()
+    out = tmp_path / "killed"
+    out.mkdir()
+    code = _KILLED_RUN.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(out))
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "at_step_4").exists():
+            assert child.poll() is None, f"the run ended before the kill: {child.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "the run never reached step 4"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert [json.loads(line)["step"] for line in open(out / "train_log.jsonl")] == [1, 2, 3, 4]
+    resumed = make_trainer(out, steps=6)
+    assert resumed.maybe_resume() and resumed.step == 2
+    resumed.train()
+    for (n, p), (_, q) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        torch.testing.assert_close(p, q, msg=n)
+    assert [json.loads(line)["step"] for line in open(out / "train_log.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("draft_vocab", [0, 24])
 def test_training_learns_the_targets_responses(tmp_path, draft_vocab):
     """On the target's own greedy responses (what the drafter is for), training with the fixed

@@ -31,6 +31,7 @@ import torch
 
 import dartree_ext
 from dartree_ext import ops, reference
+from dartree_ext.head import CorrectionHeadWeights
 from dartree_ext.testing import random_batch
 
 
@@ -159,6 +160,13 @@ def validate_cases(batch: int, device: torch.device):
     calls.update({"select_top_w": lambda v: ops.select_top_w(ps, cl, npar, 12, validate=v),
                   "select_top_b": lambda v: ops.select_top_b(sp, ss, sn, 64, validate=v),
                   "ddtree_heap": lambda v: ops.ddtree_heap(lp, ids, roots, 64, validate=v)})
+    # the supertree at the 0.1B drafter's head (E = G = 256, vocabulary 49152), D = 16, K = 64, W = 12
+    head = CorrectionHeadWeights.random(49152, 576, 256, 256, device=device)
+    z = torch.randn(batch, 16, 256, generator=gen).to(device)
+    cand = torch.randint(0, 49152, (batch, 16, 64), generator=gen).to(device)
+    base = torch.randn(batch, 16, 64, generator=gen).to(device)
+    root = torch.randn(batch, 256, generator=gen).to(device)
+    calls["build_supertree"] = lambda v: ops.build_supertree(head, z, cand, base, root, 12, validate=v)
     for name, call in calls.items():
         yield f"{name}: validate=True vs False", "loop shapes", (lambda c=call: c(True)), (lambda c=call: c(False))
 

@@ -14,11 +14,11 @@ constexpr int64_t kQuantMaxRows = 256;  // more rows than this: de-quantize and 
 constexpr int64_t kQuantBlock = 32;     // weights per block, every kind
 
 // 0 = q4_0, 1 = q4_1, 2 = q8_0 (kernels::QuantKind)
-inline int quant_kind(const std::string& name) {
+inline int quant_kind(const char* op, const std::string& name) {
   if (name == "q4_0") return 0;
   if (name == "q4_1") return 1;
   if (name == "q8_0") return 2;
-  TORCH_CHECK_VALUE(false, "quant_linear: kind must be q4_0, q4_1 or q8_0, got '", name, "'");
+  TORCH_CHECK_VALUE(false, op, ": kind must be q4_0, q4_1 or q8_0, got '", name, "'");
 }
 
 constexpr int64_t quant_block_bytes_of(int kind) { return kind == 0 ? 18 : kind == 1 ? 20 : 34; }
@@ -35,10 +35,10 @@ struct QuantShape {
   int64_t rows, in, out, row_bytes;
 };
 
-inline QuantShape check_quant_inputs(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind_name,
-                                     const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "quant_linear";
-  const int kind = quant_kind(kind_name);
+// `op`: the op's name in messages (quant_linear, quant_linear_int8).
+inline QuantShape check_quant_inputs(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                                     const std::string& kind_name, const std::optional<at::Tensor>& bias) {
+  const int kind = quant_kind(op, kind_name);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension");
@@ -56,8 +56,8 @@ inline QuantShape check_quant_inputs(const at::Tensor& x, const at::Tensor& bloc
                     " per row (", row_bytes / bytes, " ", kind_name, " blocks of 32)");
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  TORCH_CHECK_VALUE(rows <= kQuantMaxRows, op, ": at most ", kQuantMaxRows, " rows (de-quantize and use a GEMM), got ",
-                    rows);
+  TORCH_CHECK_VALUE(rows <= kQuantMaxRows, op, ": x has ", rows, " rows, at most ", kQuantMaxRows,
+                    " (de-quantize and use a GEMM)");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias must be ", x.scalar_type(), " like x, got ",
                 bias->scalar_type());

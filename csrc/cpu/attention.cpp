@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -343,6 +344,7 @@ at::Tensor few_rows_attention_cpu(const at::Tensor& query, const at::Tensor& key
                     query.sizes(), ", ", key.sizes(), ", ", value.sizes());
   TORCH_CHECK_VALUE(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), op,
                     ": CPU tensors only");
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   const auto dtype = query.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(key.scalar_type() == dtype && value.scalar_type() == dtype, op,
@@ -373,7 +375,7 @@ at::Tensor few_rows_attention_cpu(const at::Tensor& query, const at::Tensor& key
   }
   at::Tensor out = at::empty({batch, heads, rows, dv}, query.options());
   if (out.numel() == 0) return out;
-  TORCH_CHECK_VALUE(slots > 0, op, ": no keys to attend to");
+  TORCH_CHECK_VALUE(slots > 0, op, ": key and value hold no positions (S = 0): no keys to attend to");
   if (dtype == at::kFloat) {
     attention_units<float>(query, key, value, m, static_cast<float>(scale), out);
   } else {

@@ -654,8 +654,8 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
   TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on one device");
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  TORCH_CHECK_VALUE(rows <= kMaxRows, op, ": at most ", kMaxRows, " rows (use torch.nn.functional.linear), got ",
-                    rows);
+  TORCH_CHECK_VALUE(rows <= kMaxRows, op, ": x has ", rows, " rows, at most ", kMaxRows,
+                    " (use torch.nn.functional.linear)");
   const at::Tensor flat = x.reshape({rows, in}).contiguous();
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {

@@ -257,7 +257,7 @@ void dispatch(const Problem<T>& p, Kind kind, bool vector) {
 
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind_name,
                             const std::optional<at::Tensor>& bias, bool vector) {
-  const QuantShape shape_of = check_quant_inputs(x, blocks, kind_name, bias);
+  const QuantShape shape_of = check_quant_inputs("quant_linear", x, blocks, kind_name, bias);
   const Kind kind = static_cast<Kind>(shape_of.kind);
   const int64_t rows = shape_of.rows, in = shape_of.in, out = shape_of.out, row_bytes = shape_of.row_bytes;
   const at::Tensor bias32 = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();

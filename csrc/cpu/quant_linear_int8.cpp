@@ -293,7 +293,7 @@ void run(const Problem& p, T* y, bool vector) {
 
 at::Tensor quant_linear_int8_cpu(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind_name,
                                  const std::optional<at::Tensor>& bias, bool vector) {
-  const QuantShape s = check_quant_inputs(x, blocks, kind_name, bias);
+  const QuantShape s = check_quant_inputs("quant_linear_int8", x, blocks, kind_name, bias);
   TORCH_CHECK(x.device().is_cpu(), "quant_linear_int8: a CPU op, got x on ", x.device());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = s.out;

@@ -76,6 +76,7 @@ at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must be [..., H] with H >= 1, got ", x.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   check_tensor(op, "weight", wc, x.scalar_type(), 1);
   check_shape(op, "weight", wc, {x.size(-1)});
@@ -138,7 +139,7 @@ at::Tensor rotary_rows_cpu(const at::Tensor& x, const at::Tensor& positions, dou
   TORCH_CHECK((positions.size(0) == x.size(0) || positions.size(0) == 1) && positions.size(1) == x.size(2), op,
               ": positions must be [B or 1, T] for x ", x.sizes(), ", got ", positions.sizes());
   check_same_device(op, "positions", positions, x, "x");
-  TORCH_CHECK_VALUE(theta > 0, op, ": theta must be > 0, got ", theta);
+  TORCH_CHECK_VALUE(std::isfinite(theta) && theta > 0, op, ": theta must be finite and > 0, got ", theta);
   at::Tensor y = at::empty(x.sizes(), x.options());
   const int64_t strides[3] = {x.stride(0), x.stride(1), x.stride(2)};
   if (x.scalar_type() == at::kFloat)
@@ -421,7 +422,8 @@ at::Tensor tokens_from_logits_cpu(const at::Tensor& logits, const std::optional<
               ": logits must be float32 or bfloat16, got ", logits.scalar_type());
   TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, op, ": logits must be [..., V] with V >= 1, got ",
               logits.sizes());
-  TORCH_CHECK_VALUE(temperature >= 0, op, ": temperature must be >= 0, got ", temperature);
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature >= 0, op, ": temperature must be finite and >= 0, got ",
+                    temperature);
   const at::Tensor lc = logits.contiguous();
   const int64_t v = lc.size(-1), rows = lc.numel() / v;
   std::vector<int64_t> out_shape(lc.sizes().begin(), lc.sizes().end() - 1);

@@ -58,6 +58,7 @@ void compact_kv_paged_cuda(at::TensorList caches, const at::Tensor& block_table,
   const auto stream = at::cuda::getCurrentCUDAStream();
   for (size_t first = 0; first < caches.size(); first += kernels::kMaxPagedCaches) {
     kernels::PagedKvCaches pools{};
+    pools.num_pages = num_pages;
     for (size_t c = first; c < caches.size() && pools.count < kernels::kMaxPagedCaches; ++c) {
       const at::Tensor& pool = caches[c];
       const int64_t slots = num_pages * page_size;

@@ -12,7 +12,7 @@ namespace {
 
 at::Tensor quant_linear_cuda(const at::Tensor& x, const at::Tensor& blocks, c10::string_view kind,
                              const std::optional<at::Tensor>& bias) {
-  const QuantShape s = check_quant_inputs(x, blocks, std::string(kind), bias);
+  const QuantShape s = check_quant_inputs("quant_linear", x, blocks, std::string(kind), bias);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = s.out;

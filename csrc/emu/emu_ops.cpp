@@ -383,10 +383,11 @@ int emu_build_supertree(const dartree::kernels::HeadWeightPtrs* head, const dart
 
 int emu_compact_kv_paged(void* const* bases, const int64_t* row_units, int count, int unit_bytes, int batch,
                          int page_size, const int32_t* block_table, int max_pages, const int64_t* src_positions,
-                         const int64_t* dst_start, const int32_t* lengths, int l_max) {
+                         const int64_t* dst_start, const int32_t* lengths, int l_max, int64_t num_pages) {
   return guarded([&] {
     if (count > dartree::kernels::kMaxPagedCaches) throw std::invalid_argument("too many pools for one launch");
     dartree::kernels::PagedKvCaches pools{};
+    pools.num_pages = num_pages;
     for (int c = 0; c < count; ++c) {
       pools.base[c] = bases[c];
       pools.row_units[c] = row_units[c];

@@ -80,9 +80,20 @@ void launch_compact_kv_layers(const LayerKvCaches& caches, int unit_bytes, int b
   }
 }
 
+// The pool slot of logical position `pos` through a request's block table, or -1 where the position,
+// its table entry or the page it names is outside the table or the pool (memory-safe on any values).
+__device__ __forceinline__ int64_t paged_slot(const int32_t* table, int max_pages, int page_size, int64_t num_pages,
+                                              int64_t pos) {
+  if (pos < 0 || pos / page_size >= max_pages) return -1;
+  const int64_t page = table[pos / page_size];
+  return page >= 0 && page < num_pages ? page * page_size + pos % page_size : -1;
+}
+
 // grid (B, caches). Like compact_kv_layers_kernel, with logical positions mapped to pool slots through
 // the request's block table; the block stages a chunk of columns of every moved row before
-// writing any, so moves within a page or across pages are correct in any order.
+// writing any, so moves within a page or across pages are correct in any order. A move whose
+// source or destination has no slot (paged_slot) is skipped, as the layers kernel skips
+// positions outside the cache.
 template <typename Unit>
 __global__ void compact_kv_paged_kernel(PagedKvCaches caches, int page_size, const int32_t* block_table,
                                         int max_pages, const int64_t* src_positions, const int64_t* dst_start,
@@ -100,16 +111,15 @@ __global__ void compact_kv_paged_kernel(PagedKvCaches caches, int page_size, con
     const int cols = static_cast<int>(dim - col0 < chunk ? dim - col0 : chunk);
     for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
       const int i = idx / cols, col = idx % cols;
-      const int64_t pos = src[i];
-      const int64_t slot = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
-      s_rows[i * chunk + col] = base[slot * dim + col0 + col];
+      const int64_t slot = paged_slot(table, max_pages, page_size, caches.num_pages, src[i]);
+      if (slot >= 0) s_rows[i * chunk + col] = base[slot * dim + col0 + col];
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
       const int i = idx / cols, col = idx % cols;
-      const int64_t pos = dst + i;
-      const int64_t slot = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
-      base[slot * dim + col0 + col] = s_rows[i * chunk + col];
+      const int64_t from = paged_slot(table, max_pages, page_size, caches.num_pages, src[i]);
+      const int64_t slot = paged_slot(table, max_pages, page_size, caches.num_pages, dst + i);
+      if (from >= 0 && slot >= 0) base[slot * dim + col0 + col] = s_rows[i * chunk + col];
     }
     __syncthreads();
   }

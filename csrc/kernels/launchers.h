@@ -81,6 +81,7 @@ struct PagedKvCaches {
   void* base[kMaxPagedCaches];
   int64_t row_units[kMaxPagedCaches];
   int count;
+  int64_t num_pages;  // pages in every pool: a block-table entry outside [0, num_pages) is skipped
 };
 void launch_compact_kv_paged(const PagedKvCaches& caches, int unit_bytes, int batch, int page_size,
                              const int32_t* block_table, int max_pages, const int64_t* src_positions,

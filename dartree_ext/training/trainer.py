@@ -304,8 +304,30 @@ class Trainer:
         except Exception as e:  # truncated, corrupt, or another run's (a different drafter)
             raise CheckpointError(f"{self.checkpoint_path}: cannot resume from it ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else e!r}); move it away to start over") from None
+        if self.rank == 0:
+            self._trim_log()
         log.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
+
+    def _trim_log(self) -> None:
+        """Drop the log's records past the checkpoint (steps a killed run made after it, which the
+        resumed run makes again) and a torn last line, so every step is logged once."""
+        path = os.path.join(self.cfg.out_dir, "train_log.jsonl")
+        if not os.path.exists(path):
+            return
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and int(record.get("step", 0)) <= self.step:
+                    kept.append(json.dumps(record) + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
     # loop ---------------------------------------------------------------------------------------
     def train(self) -> list[dict]:
