@@ -134,12 +134,13 @@ def test_export_head_reused_until_weights_change():
     assert not torch.allclose(fresh.gru_table, first.gru_table)
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "growing", "static"])
 def test_compact_cache(cache_kind):
     from transformers import DynamicCache, StaticCache
+    from dartree_ext.decoding.hf import new_cache
     target = tiny_target()
-    cache = DynamicCache(config=target.config) if cache_kind == "dynamic" else StaticCache(
-        config=target.config, max_cache_len=16)
+    cache = {"dynamic": lambda: DynamicCache(config=target.config), "growing": lambda: new_cache(target),
+             "static": lambda: StaticCache(config=target.config, max_cache_len=16)}[cache_kind]()
     with torch.no_grad():
         target(torch.randint(0, 97, (2, 10)), use_cache=True, **{"cache": cache})
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -148,7 +149,7 @@ def test_compact_cache(cache_kind):
     lengths = torch.tensor([3, 2], dtype=torch.int32)
     compact_cache_(cache, src, dst, lengths, new_length=5)
     for (k0, v0), layer in zip(before, cache.layers):
-        assert layer.keys.shape[2] == (5 if cache_kind == "dynamic" else 16)
+        assert layer.keys.shape[2] == (16 if cache_kind == "static" else 5)
         for b in range(2):
             for i in range(int(lengths[b])):
                 torch.testing.assert_close(layer.keys[b, :, dst[b] + i], k0[b, :, src[b, i]])
@@ -156,6 +157,67 @@ def test_compact_cache(cache_kind):
             torch.testing.assert_close(layer.keys[b, :, :dst[b]], k0[b, :, :dst[b]])
     select_requests_(cache, torch.tensor([1]))
     assert all(layer.keys.shape[0] == 1 for layer in cache.layers)
+
+
+def test_growing_cache_writes_in_place_and_matches_a_dynamic_cache():
+    """new_cache's layers: the same keys and values as a DynamicCache through prefill, steps, a crop
+    by slicing and a batch selection, written into one buffer while it has room (no copy of the
+    cache a step), the buffer replaced when it fills or its tensors were replaced."""
+    from transformers import DynamicCache
+    from dartree_ext.decoding.hf import layer_buffers, new_cache
+    from dartree_ext.decoding.cache import crop_cache_
+    target = tiny_target()
+    grow, plain = new_cache(target), DynamicCache(config=target.config)
+    assert all(type(layer).__name__ == "GrowingLayer" for layer in grow.layers)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(n):
+        ids = torch.randint(0, 97, (2, n), generator=gen)
+        with torch.no_grad():
+            a = target(ids, use_cache=True, cache=grow).logits
+            b = target(ids, use_cache=True, cache=plain).logits
+        assert torch.equal(a, b)
+        for g, p in zip(grow.layers, plain.layers):
+            assert torch.equal(g.keys, p.keys) and torch.equal(g.values, p.values)
+
+    step(10)
+    buffer = layer_buffers(grow.layers[0])[0]
+    assert buffer.shape[2] == 10 + 64
+    for _ in range(5):
+        step(3)
+    assert layer_buffers(grow.layers[0])[0].data_ptr() == buffer.data_ptr()  # in place
+    crop_cache_(grow, 20)
+    crop_cache_(plain, 20)
+    step(2)
+    assert layer_buffers(grow.layers[0])[0].data_ptr() == buffer.data_ptr()
+    step(60)  # past the room: a larger buffer
+    assert layer_buffers(grow.layers[0])[0].shape[2] > 74
+    select_requests_(grow, torch.tensor([1]))
+    select_requests_(plain, torch.tensor([1]))
+    assert layer_buffers(grow.layers[0]) is None  # replaced tensors: adopted at the next update
+    ids = torch.randint(0, 97, (1, 4), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(target(ids, use_cache=True, cache=grow).logits,
+                           target(ids, use_cache=True, cache=plain).logits)
+    assert layer_buffers(grow.layers[0]) is not None
+
+
+def test_decoding_on_a_growing_cache_matches_a_dynamic_cache(monkeypatch):
+    """The loop's outputs (T = 0, plain and tree methods) with the growing cache and with a
+    transformers DynamicCache are the same."""
+    from transformers import DynamicCache
+    from dartree_ext.decoding import SpeculativeDecoder, phases
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=2)
+    prompts = torch.randint(1, 97, (2, 10), generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for kind in ("growing", "dynamic"):
+        if kind == "dynamic":
+            monkeypatch.setattr(phases, "new_cache", lambda t: DynamicCache(config=t.config))
+        outputs[kind] = [SpeculativeDecoder(target, drafter if m != "ar" else None, m, budget=12)
+                         .generate(prompts, max_new_tokens=24).sequences for m in ("ar", "dartree", "ddtree")]
+    for a, b in zip(outputs["growing"], outputs["dynamic"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from .._C import narrow_all
+from .hf import layer_buffers
 
 
 def cache_layers(cache) -> list:
@@ -38,7 +39,13 @@ def compact_cache_(cache, src_positions: torch.Tensor, dst_start: torch.Tensor, 
     layers = cache_layers(cache)
     tensors = [t for layer in layers for t in (layer.keys, layer.values)]
     if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("cache keys/values must be contiguous for in-place compaction")
+        # a growing cache (decoding.hf.new_cache): its keys and values are the first slots of
+        # contiguous buffers, where the moves land the same (positions are below the length)
+        buffers = [layer_buffers(layer) for layer in layers]
+        if any(b is None for b in buffers) or len({b[0].shape[2] for b in buffers}) != 1:
+            raise ValueError("cache keys/values must be contiguous (or a growing cache's buffers of one size) "
+                             "for in-place compaction")
+        tensors = [t for pair in buffers for t in pair]
     ops.compact_kv_layers_(tensors, src_positions, dst_start, lengths)
     return _crop_layers(cache, layers, new_length)
 

@@ -123,7 +123,8 @@ def _key_path(key: dict) -> str:
 
 
 def _drop_last(cache, count: int) -> None:
-    """Remove the last ``count`` entries of every layer of a DynamicCache."""
+    """Remove the last ``count`` entries of every layer of a DynamicCache (views: a growing
+    layer writes the next entries in place)."""
     for layer in cache.layers:
         layer.keys = layer.keys[..., :-count, :]
         layer.values = layer.values[..., :-count, :]
@@ -155,12 +156,12 @@ def _primed_caches(target: torch.nn.Module, contexts: list[int], vocab: int, cac
                    gen: torch.Generator) -> tuple[list, list[torch.Tensor]]:
     """Per context length: a cache holding that many random tokens, and its ``bool[1, ctx]``
     visibility."""
-    from transformers import DynamicCache
+    from .hf import new_cache
 
     device = next(target.parameters()).device
     caches, pasts = [], []
     for ctx in contexts:
-        cache = DynamicCache(config=target.config)
+        cache = new_cache(target)  # the loop's cache
         if ctx > 0:
             ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
             target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
@@ -357,7 +358,7 @@ def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None =
 def forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64) -> float:
     """Median time (ms) of ``model``'s forward over ``tokens`` new tokens after ``context`` cached ones
     (random ids; each of ``reps`` repetitions on a fresh cache, after one warm-up)."""
-    from transformers import DynamicCache
+    from .hf import new_cache
     param = next(model.parameters())
     timer = _Timer(param.device)
     vocab = int(model.config.vocab_size)
@@ -367,7 +368,7 @@ def forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     samples = []
     for rep in range(reps + 1):
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         ms = timer(lambda: model(input_ids=ids, use_cache=True, **{cache_kw: cache}))
         if rep:
