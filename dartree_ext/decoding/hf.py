@@ -70,7 +70,7 @@ def _growing_layer_class():
                 kbuf, vbuf = self.__dict__.get("key_buffer"), self.__dict__.get("value_buffer")
                 if not (_prefix_of(keys, kbuf, key_states) and _prefix_of(values, vbuf, value_states)
                         and length + new <= kbuf.shape[2]):
-                    room = length + new + max(64, (length + new) // 2)  # amortized O(1) a slot
+                    room = length + new + max(64, (length + new) // 4)  # amortized O(1) a slot
                     kbuf, vbuf = (_grown(t, fresh, length, room) for t, fresh in ((keys, key_states),
                                                                                    (values, value_states)))
                     self.key_buffer, self.value_buffer = kbuf, vbuf
