@@ -215,6 +215,13 @@ def int8_activations(model: torch.nn.Module) -> bool:
     return any(getattr(m, _FLAG)[3] for m in model.modules() if hasattr(m, _FLAG))
 
 
+def layer_blocks(module: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
+    """``(kind, blocks)`` a layer patched by :func:`use_quant_linear` runs on (the blocks as the op
+    reads them: repacked for the int8 path), or ``None`` for any other module."""
+    flag = getattr(module, _FLAG, None)
+    return None if flag is None else (flag[0], flag[1])
+
+
 def quantized_bytes(model: torch.nn.Module) -> int:
     """Bytes of blocks a patched step reads (the patched layers' blocks)."""
     return sum(getattr(m, _FLAG)[1].numel() for m in model.modules() if hasattr(m, _FLAG))

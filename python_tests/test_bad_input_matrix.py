@@ -463,11 +463,12 @@ def test_bad_input_is_refused(cid, backend_name, tmp_path):
 
 def _run_in_child(cid: str, backend_name: str, tmp_path: pathlib.Path) -> None:
     tests = pathlib.Path(__file__).resolve().parent
+    package_root = pathlib.Path(ops.__file__).resolve().parents[1]  # the dartree_ext this process runs
     code = ("import resource, sys\n"
             # 8 GiB of address space: far above what a refused call needs, far below what an
             # attempted 2**31-wide output takes (an allocation past it fails instead of swapping)
             "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n"
-            f"sys.path.insert(0, {str(tests)!r})\n"
+            f"sys.path[:0] = [{str(package_root)!r}, {str(tests)!r}]\n"
             "import test_bad_input_matrix as m\n"
             f"e = m.run_case({cid!r}, {backend_name!r})\n"
             "print('ACCEPTED' if e is None else 'REFUSED ' + str(e).splitlines()[0])\n")

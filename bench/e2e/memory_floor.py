@@ -31,7 +31,7 @@ from dartree_ext.decoding import left_pad
 from dartree_ext.decoding.profiling import device_name
 from dartree_ext.linear import set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
-from dartree_ext.quant import _FLAG as QUANT, gguf_source
+from dartree_ext.quant import gguf_source, layer_blocks
 
 SETUPS = (("bfloat16", "few_rows"), ("bfloat16", "gguf"), ("bfloat16", "gguf_int8"), ("float32", "gguf_int8"))
 
@@ -55,8 +55,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             seen.add(module.weight.data_ptr())
-            total += getattr(module, QUANT)[1].numel() if hasattr(module, QUANT) else \
-                module.weight.numel() * module.weight.element_size()
+            blocks = layer_blocks(module)
+            total += blocks[1].numel() if blocks else module.weight.numel() * module.weight.element_size()
     embed = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
     for param in model.parameters():
         if param.data_ptr() not in seen and (embed is None or param.data_ptr() != embed.data_ptr()):

@@ -4,7 +4,9 @@
 #include <c10/util/Half.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -66,6 +68,25 @@ inline QuantShape check_quant_inputs(const char* op, const at::Tensor& x, const 
     check_same_device(op, "bias", *bias, x, "x");
   }
   return {kind, rows, in, out, row_bytes};
+}
+
+// What every quant op entry stages after its checks: the output shape (x's, last dim out), and,
+// when there is work, x as float32 [rows, in] (exact for bfloat16) and the bias as float32.
+struct QuantStaging {
+  std::vector<int64_t> out_shape;
+  at::Tensor x32, bias32;  // undefined when there is no work (rows or out 0) / no bias
+  bool empty() const { return !x32.defined(); }
+  const float* bias_ptr() const { return bias32.defined() ? bias32.data_ptr<float>() : nullptr; }
+};
+
+inline QuantStaging stage_quant_inputs(const at::Tensor& x, const QuantShape& s, const std::optional<at::Tensor>& bias) {
+  QuantStaging staged;
+  staged.out_shape.assign(x.sizes().begin(), x.sizes().end());
+  staged.out_shape.back() = s.out;
+  if (s.rows == 0 || s.out == 0) return staged;
+  staged.x32 = x.reshape({s.rows, s.in}).to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) staged.bias32 = bias->to(at::kFloat).contiguous();
+  return staged;
 }
 
 }  // namespace dartree

@@ -260,13 +260,11 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, const
   const QuantShape shape_of = check_quant_inputs("quant_linear", x, blocks, kind_name, bias);
   const Kind kind = static_cast<Kind>(shape_of.kind);
   const int64_t rows = shape_of.rows, in = shape_of.in, out = shape_of.out, row_bytes = shape_of.row_bytes;
-  const at::Tensor bias32 = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  at::Tensor y = at::empty(shape, x.options());
-  if (rows == 0 || out == 0) return y;
-  const at::Tensor x32 = x.reshape({rows, in}).to(at::kFloat).contiguous();  // exact for bfloat16
-  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const QuantStaging staged = stage_quant_inputs(x, shape_of, bias);
+  at::Tensor y = at::empty(staged.out_shape, x.options());
+  if (staged.empty()) return y;
+  const at::Tensor& x32 = staged.x32;
+  const float* b = staged.bias_ptr();
   vector = vector && has_avx512();
   if (x.scalar_type() == at::kFloat) {
     dispatch(Problem<float>{x32.data_ptr<float>(), blocks.data_ptr<uint8_t>(), b, y.data_ptr<float>(), rows, in, out,

@@ -295,14 +295,11 @@ at::Tensor quant_linear_int8_cpu(const at::Tensor& x, const at::Tensor& blocks, 
                                  const std::optional<at::Tensor>& bias, bool vector) {
   const QuantShape s = check_quant_inputs("quant_linear_int8", x, blocks, kind_name, bias);
   TORCH_CHECK(x.device().is_cpu(), "quant_linear_int8: a CPU op, got x on ", x.device());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = s.out;
-  at::Tensor y = at::empty(shape, x.options());
-  if (s.rows == 0 || s.out == 0) return y;
-  const at::Tensor x32 = x.reshape({s.rows, s.in}).to(at::kFloat).contiguous();
-  const at::Tensor bias32 = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const QuantizedX qx = quantize_x(x32.data_ptr<float>(), s.rows, s.in, s.kind);
-  const Problem p{&qx, blocks.data_ptr<uint8_t>(), bias32.defined() ? bias32.data_ptr<float>() : nullptr, s.out,
+  const QuantStaging staged = stage_quant_inputs(x, s, bias);
+  at::Tensor y = at::empty(staged.out_shape, x.options());
+  if (staged.empty()) return y;
+  const QuantizedX qx = quantize_x(staged.x32.data_ptr<float>(), s.rows, s.in, s.kind);
+  const Problem p{&qx, blocks.data_ptr<uint8_t>(), staged.bias_ptr(), s.out,
                   qx.blocks, qx.groups, s.row_bytes, quant_block_bytes_of(s.kind), s.kind};
   vector = vector && has_vnni();
   if (x.scalar_type() == at::kFloat) {

@@ -14,18 +14,14 @@ at::Tensor quant_linear_cuda(const at::Tensor& x, const at::Tensor& blocks, c10:
                              const std::optional<at::Tensor>& bias) {
   const QuantShape s = check_quant_inputs("quant_linear", x, blocks, std::string(kind), bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = s.out;
-  if (s.rows == 0 || s.out == 0) return at::empty(shape, x.options());
-  const at::Tensor x32 = x.reshape({s.rows, s.in}).to(at::kFloat).contiguous();
-  const at::Tensor bias32 = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const QuantStaging staged = stage_quant_inputs(x, s, bias);
+  if (staged.empty()) return at::empty(staged.out_shape, x.options());
   at::Tensor y32 = at::empty({s.rows, s.out}, x.options().dtype(at::kFloat));
-  kernels::launch_quant_linear(x32.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
-                               bias32.defined() ? bias32.data_ptr<float>() : nullptr, s.kind, static_cast<int>(s.rows),
-                               static_cast<int>(s.in), static_cast<int>(s.out), s.row_bytes, y32.data_ptr<float>(),
-                               at::cuda::getCurrentCUDAStream());
+  kernels::launch_quant_linear(staged.x32.data_ptr<float>(), blocks.data_ptr<uint8_t>(), staged.bias_ptr(), s.kind,
+                               static_cast<int>(s.rows), static_cast<int>(s.in), static_cast<int>(s.out), s.row_bytes,
+                               y32.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return y32.to(x.scalar_type()).reshape(shape);
+  return y32.to(x.scalar_type()).reshape(staged.out_shape);
 }
 
 }  // namespace
