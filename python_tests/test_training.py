@@ -101,7 +101,7 @@ def test_training_resumes_exactly(tmp_path):
 
 _KILLED_RUN = """
 import os, sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{package!r}, {tests!r}]  # the dartree_ext under test, then the tests' helpers
 from dartree_ext.training import Trainer
 from test_training import make_trainer
 save = Trainer.save_checkpoint
@@ -126,8 +126,11 @@ def test_training_killed_mid_run_resumes_to_the_same_result(tmp_path):
     whole.train()
     out = tmp_path / "killed"
     out.mkdir()
-    code = _KILLED_RUN.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(out))
-    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    import dartree_ext
+    code = _KILLED_RUN.format(package=os.path.dirname(os.path.dirname(os.path.abspath(dartree_ext.__file__))),
+                              tests=os.path.dirname(os.path.abspath(__file__)), out=str(out))
+    # outside the source tree, so the child imports the package this process runs
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not (out / "at_step_4").exists():
