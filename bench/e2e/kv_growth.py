@@ -38,16 +38,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from transformers import DynamicCache
-    from dartree_ext import quant
     from dartree_ext.data.prompts import humaneval
-    from dartree_ext.data.smollm2 import chat_ids, gguf_file, load_smollm2
+    from dartree_ext.data.smollm2 import chat_ids
     from dartree_ext.decoding import SpeculativeDecoder, phases
     from dartree_ext.decoding.profiling import device_name
     from dartree_ext.linear import set_linear
-    from dartree_ext.loading import load_drafter, shipped_drafter
+    from dartree_ext.loading import load_drafter, load_target, shipped_drafter
 
-    target, tokenizer = load_smollm2(torch.float32)
-    quant.attach_gguf(target, gguf_file())
+    loaded = load_target("smollm2", torch.float32)  # as the main command loads it (packed attention)
+    target, tokenizer = loaded.target, loaded.tokenizer
     set_linear(target, "gguf")
     drafter = load_drafter(shipped_drafter("SmolLM2-135M-Instruct"), target)
     problems = [p.text for p in humaneval()]
