@@ -17,6 +17,8 @@ as "no parent", an out-of-range candidate id as a candidate of score -inf).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._widths import depth_widths
@@ -58,24 +60,22 @@ def _layout_ok(parents: torch.Tensor, num_nodes: torch.Tensor) -> bool:
             and 1 <= parents.shape[1] <= MAX_TREE_NODES and parents.device == num_nodes.device)
 
 
-def _refuse_nan(op: str, name: str, values: torch.Tensor, live: torch.Tensor | None = None) -> None:
-    """A ``ValueError`` naming the first NaN or +inf score of ``values`` (where ``live``, if given)."""
-    bad = (values < float("inf")).logical_not_()  # NaN or +inf, in one pass
+def _refuse_nan(op: str, name: str, values: torch.Tensor, live: torch.Tensor | None = None, *,
+                scores: bool = True) -> None:
+    """A ``ValueError`` naming the first bad entry of ``values`` (where ``live``, if given): NaN or
+    +inf for ``scores`` (-inf is "none"), else (an activation) any non-finite value."""
+    if not values.is_floating_point():
+        return
+    bad = (values < float("inf")).logical_not_() if scores else values.isfinite().logical_not_()  # one pass
     if live is not None:
         bad &= live
     if bool(bad.any()):
         at = tuple(int(i) for i in bad.nonzero()[0])
-        what = "NaN" if bool(values[at].isnan()) else "+inf"
-        raise ValueError(f"{op}: {name}[{', '.join(map(str, at))}] is {what}; scores must be numbers (-inf for none)")
-
-
-def _refuse_nonfinite(op: str, name: str, values: torch.Tensor) -> None:
-    """A ``ValueError`` naming the first NaN or infinite entry of an activation ``values``."""
-    if values.is_floating_point():
-        bad = ~values.isfinite()
-        if bool(bad.any()):
-            at = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{op}: {name}[{', '.join(map(str, at))}] = {float(values[at])} is not finite")
+        where = f"{op}: {name}[{', '.join(map(str, at))}]"
+        if scores:
+            raise ValueError(f"{where} is {'NaN' if bool(values[at].isnan()) else '+inf'}; scores must be numbers "
+                             "(-inf for none)")
+        raise ValueError(f"{where} = {float(values[at])} is not finite")
 
 
 def _refuse_ids(op: str, name: str, ids: torch.Tensor, vocab: int | None = None) -> None:
@@ -102,15 +102,13 @@ def _on_device(t: torch.Tensor) -> bool:
 # layout (dtype, rank, batch, size) is left to the op's own checks, so the error is the same on
 # every device. :func:`validate_inputs` runs them by name.
 
-def _validate_tree(op: str):
-    def validate(parents, num_nodes, *_, on_device: bool) -> None:
-        if on_device and _layout_ok(parents, num_nodes):
-            check_tree(parents, num_nodes, op)
-    return validate
+def _validate_tree(op: str, parents, num_nodes, *_, on_device: bool) -> None:
+    if on_device and _layout_ok(parents, num_nodes):
+        check_tree(parents, num_nodes, op)
 
 
 def _validate_verify_tree(tokens, parents, num_nodes, target_tokens, *, on_device: bool) -> None:
-    _validate_tree("verify_tree")(parents, num_nodes, on_device=on_device)
+    _validate_tree("verify_tree", parents, num_nodes, on_device=on_device)
     if on_device and _layout_ok(parents, num_nodes) and tokens.shape == parents.shape:
         live = _live(num_nodes, parents.shape[1])
         _refuse_ids("verify_tree", "tokens", torch.where(live & (torch.arange(parents.shape[1], device=live.device) > 0),
@@ -138,7 +136,7 @@ def _validate_select_top_w(parent_scores, child_logprobs, num_parents, width, *,
 
 
 def _validate_select_top_b(parents, scores, num_nodes, budget, *, on_device: bool) -> None:
-    _validate_tree("select_top_b")(parents, num_nodes, on_device=on_device)
+    _validate_tree("select_top_b", parents, num_nodes, on_device=on_device)
     if _layout_ok(parents, num_nodes) and scores.shape == parents.shape:
         _refuse_nan("select_top_b", "scores", scores, _live(num_nodes, parents.shape[1]))
 
@@ -146,7 +144,8 @@ def _validate_select_top_b(parents, scores, num_nodes, budget, *, on_device: boo
 def _validate_ddtree_heap(logprobs, token_ids, root_tokens, budget, *, on_device: bool) -> None:
     if not on_device or logprobs.dim() != 3:
         return
-    unsorted = (logprobs[..., 1:] > logprobs[..., :-1]) | logprobs.isnan()[..., 1:] | logprobs.isnan()[..., :-1]
+    nan = logprobs.isnan()
+    unsorted = (logprobs[..., 1:] > logprobs[..., :-1]) | nan[..., 1:] | nan[..., :-1]
     if bool(unsorted.any()):
         b, d, j = (int(v) for v in unsorted.nonzero()[0])
         raise ValueError(f"ddtree_heap: logprobs[{b}, {d}] must be sorted in descending order (and free of "
@@ -161,9 +160,8 @@ def _validate_ddtree_heap(logprobs, token_ids, root_tokens, budget, *, on_device
 def _validate_candidates(op: str, head, z, cand_ids, cand_base, on_device: bool) -> None:
     if on_device and cand_ids.dtype == torch.long:
         _refuse_ids(op, "cand_ids", cand_ids, int(head.gru_table.shape[0]))
-    if cand_base.is_floating_point():
-        _refuse_nan(op, "cand_base", cand_base)
-    _refuse_nonfinite(op, "z", z)
+    _refuse_nan(op, "cand_base", cand_base)
+    _refuse_nan(op, "z", z, scores=False)
 
 
 def _validate_expand_depth(head, z, cand_ids, cand_base, parent_states, parent_scores, num_parents, width,
@@ -174,13 +172,13 @@ def _validate_expand_depth(head, z, cand_ids, cand_base, parent_states, parent_s
         live = _live(num_parents, parent_scores.shape[1])
         _refuse_nan("expand_depth", "parent_scores", parent_scores, live)
         if parent_states.dim() == 3 and parent_states.shape[:2] == parent_scores.shape:
-            _refuse_nonfinite("expand_depth", "parent_states", torch.where(live[..., None], parent_states, 0))
+            _refuse_nan("expand_depth", "parent_states", parent_states, live[..., None], scores=False)
 
 
 def _validate_build_supertree(head, z, cand_ids, cand_base, root_state, width, depth_bonus=-0.2, *,
                               on_device: bool) -> None:
     _validate_candidates("build_supertree", head, z, cand_ids, cand_base, on_device)
-    _refuse_nonfinite("build_supertree", "root_state", root_state)
+    _refuse_nan("build_supertree", "root_state", root_state, scores=False)
 
 
 def _validate_compact_kv_paged(caches, block_table, src_positions, dst_start, lengths, *, on_device: bool) -> None:
@@ -192,7 +190,7 @@ def _validate_compact_kv_paged(caches, block_table, src_positions, dst_start, le
 
 
 _VALIDATORS = {
-    **{op: _validate_tree(op) for op in ("tree_ancestor_bits", "tree_attention_mask", "tree_links")},
+    **{op: functools.partial(_validate_tree, op) for op in ("tree_ancestor_bits", "tree_attention_mask", "tree_links")},
     "verify_tree": _validate_verify_tree,
     "select_top_w": _validate_select_top_w,
     "select_top_b": _validate_select_top_b,
@@ -224,7 +222,7 @@ def tree_ancestor_bits(parents: torch.Tensor, num_nodes: torch.Tensor, *,
     depth -1.
     """
     if validate:
-        _VALIDATORS["tree_ancestor_bits"](parents, num_nodes, on_device=_on_device(parents))
+        _validate_tree("tree_ancestor_bits", parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_ancestor_bits.default(parents, num_nodes)
 
 
@@ -238,7 +236,7 @@ def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor, past_key
     is on ``i``'s root path. Padding nodes see only themselves, so no row is fully hidden.
     """
     if validate:
-        _VALIDATORS["tree_attention_mask"](parents, num_nodes, on_device=_on_device(parents))
+        _validate_tree("tree_attention_mask", parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_attention_mask.default(parents, num_nodes, past_key_mask, dtype)
 
 
@@ -251,7 +249,7 @@ def tree_links(parents: torch.Tensor, num_nodes: torch.Tensor, *,
     Padding nodes get -1 in both.
     """
     if validate:
-        _VALIDATORS["tree_links"](parents, num_nodes, on_device=_on_device(parents))
+        _validate_tree("tree_links", parents, num_nodes, on_device=_on_device(parents))
     return _ops.tree_links.default(parents, num_nodes)
 
 

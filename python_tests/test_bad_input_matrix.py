@@ -47,6 +47,7 @@ class Case:
     backends: tuple[str, ...] = HOST
     child: bool = False  # run in a child process (sizes that could exhaust memory)
     name_in_message: str = ""  # the op's name in the message, where a wrapper reports an inner op
+    match: str = ""  # a pattern the message must also hold (a size case: the bound it names)
 
 
 # inputs on a backend ---------------------------------------------------------------------------
@@ -208,7 +209,7 @@ CASES += [
         *b.put(torch.zeros(1, 1, 1, dtype=I64), torch.tensor([5]), torch.tensor([0, 100], dtype=I32)), 1)),
     _c("packed_tree_mask", "oversize", "total_bytes", lambda b, v: ops.packed_tree_mask(
         *b.put(torch.zeros(1, 1, 1, dtype=I64), torch.zeros(1, dtype=I64), torch.zeros(2, dtype=I32)), 2 ** 40),
-       child=True),
+       child=True, match=r"total_bytes must be in \[0, 2\^31\)"),
     _c("packed_tree_mask", "negative id", "total_bytes", lambda b, v: ops.packed_tree_mask(
         *b.put(torch.zeros(1, 1, 1, dtype=I64), torch.tensor([5]), torch.tensor([0, 1], dtype=I32)), -1)),
     _c("packed_tree_mask", "mixed dtypes", "bits", lambda b, v: ops.packed_tree_mask(
@@ -225,7 +226,8 @@ CASES += [
     _c("select_top_w", "oversize", "num_parents", lambda b, v: _top_w(b, num=torch.tensor([4, 2], dtype=I32),
                                                                     validate=v), backends=ALL),
     _c("select_top_w", "zero size", "width", lambda b, v: _top_w(b, width=0, validate=v)),
-    _c("select_top_w", "oversize", "width", lambda b, v: _top_w(b, width=2 ** 31, validate=v), child=True),
+    _c("select_top_w", "oversize", "width", lambda b, v: _top_w(b, width=2 ** 31, validate=v), child=True,
+       match=r"width must be in \[1, 8192\]"),
     _c("select_top_w", "mixed dtypes", "child_logprobs", lambda b, v: _top_w(b, cl=torch.zeros(2, 3, 4).bfloat16(),
                                                                            validate=v), RuntimeError),
     _c("select_top_w", "empty", "child_logprobs", lambda b, v: _top_w(b, cl=torch.zeros(2, 3, 0), validate=v)),
@@ -236,7 +238,8 @@ CASES += [
     _c("select_top_b", "negative id", "parents", lambda b, v: _top_b(b, _with(HAND_PARENTS, (0, 5), -7), validate=v),
        backends=ALL),
     _c("select_top_b", "negative id", "budget", lambda b, v: _top_b(b, budget=-1, validate=v)),
-    _c("select_top_b", "oversize", "budget", lambda b, v: _top_b(b, budget=2 ** 40, validate=v), child=True),
+    _c("select_top_b", "oversize", "budget", lambda b, v: _top_b(b, budget=2 ** 40, validate=v), child=True,
+       match=r"budget must be in \[0, 8192\]"),
     _c("select_top_b", "mixed dtypes", "scores", lambda b, v: _top_b(b, scores=torch.zeros(1, 8).double(), validate=v),
        RuntimeError),
     _c("ddtree_heap", "non-finite", "logprobs", lambda b, v: _heap(b, lambda lp: _with(lp, (0, 1, 0), INF),
@@ -248,7 +251,8 @@ CASES += [
     _c("ddtree_heap", "negative id", "root_tokens", lambda b, v: _heap(b, roots=torch.tensor([0, -5]), validate=v),
        backends=ALL),
     _c("ddtree_heap", "negative id", "budget", lambda b, v: _heap(b, budget=-1, validate=v)),
-    _c("ddtree_heap", "oversize", "budget", lambda b, v: _heap(b, budget=2 ** 40, validate=v), child=True),
+    _c("ddtree_heap", "oversize", "budget", lambda b, v: _heap(b, budget=2 ** 40, validate=v), child=True,
+       match=r"budget must be in \[0, 2048\]"),
     _c("ddtree_heap", "mixed dtypes", "logprobs", lambda b, v: _heap(b, lambda lp: lp.double(), validate=v),
        RuntimeError),
     _c("ddtree_heap", "mixed dtypes", "token_ids", lambda b, v: _heap(b, ids=torch.zeros(2, 3, 4, dtype=I32),
@@ -272,7 +276,8 @@ CASES += [
                                                                     validate=v), backends=ALL),
     _c("expand_depth", "negative id", "num_parents", lambda b, v: _depth(b, num=torch.tensor([-1, 1], dtype=I32),
                                                                        validate=v), backends=ALL),
-    _c("expand_depth", "oversize", "width", lambda b, v: _depth(b, width=2 ** 31, validate=v), child=True),
+    _c("expand_depth", "oversize", "width", lambda b, v: _depth(b, width=2 ** 31, validate=v), child=True,
+       match=r"width must be in \[0, 8192\]"),
     _c("expand_depth", "empty", "cand_ids", lambda b, v: _depth(b, ids=torch.zeros(2, 0, dtype=I64),
                                                               base=torch.zeros(2, 0), validate=v), RuntimeError),
     _c("expand_depth", "mixed dtypes", "parent_states", lambda b, v: _depth(b, states=torch.zeros(2, 2, 6).double(),
@@ -289,7 +294,7 @@ CASES += [
        backends=ALL),
     _c("build_supertree", "zero size", "width", lambda b, v: _supertree(b, width=0, validate=v)),
     _c("build_supertree", "oversize", "width", lambda b, v: _supertree(b, width=[2 ** 31, 1, 1], validate=v),
-       child=True),
+       child=True, match=r"every width must be in \[1, 65535\]"),
     _c("build_supertree", "mixed dtypes", "z", lambda b, v: _supertree(b, z=torch.zeros(2, 3, 8).bfloat16(),
                                                                      validate=v), RuntimeError),
     _c("build_supertree", "empty", "cand_ids", lambda b, v: _supertree(b, ids=torch.zeros(2, 3, 0, dtype=I64),
@@ -436,6 +441,7 @@ def _check_message(case: Case, error: BaseException) -> None:
     name = case.name_in_message or case.op
     assert re.search(rf"(^|\W){re.escape(name)}\W", message), f"the message does not name {name}: {message}"
     assert re.search(rf"\b{re.escape(case.arg)}\b", message), f"the message does not name {case.arg}: {message}"
+    assert re.search(case.match, message), f"the message does not say {case.match!r}: {message}"
 
 
 def run_case(cid: str, backend_name: str) -> BaseException | None:

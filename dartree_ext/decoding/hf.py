@@ -68,8 +68,11 @@ def _growing_layer_class():
                 keys, values = self.keys, self.values
                 length, new = (keys.shape[-2] if keys.dim() == 4 else 0), key_states.shape[-2]
                 kbuf, vbuf = self.__dict__.get("key_buffer"), self.__dict__.get("value_buffer")
-                if not (_prefix_of(keys, kbuf, key_states) and _prefix_of(values, vbuf, value_states)
-                        and length + new <= kbuf.shape[2]):
+                # the views this layer handed out last (the common step) need no inspection; others
+                # (a crop's narrower views, replaced tensors) are checked against the buffers
+                handed_out = keys is self.__dict__.get("_keys_view") and values is self.__dict__.get("_values_view")
+                if not ((handed_out or (_prefix_of(keys, kbuf, key_states) and _prefix_of(values, vbuf, value_states)))
+                        and kbuf is not None and length + new <= kbuf.shape[2]):
                     room = length + new + max(64, (length + new) // 4)  # amortized O(1) a slot
                     kbuf, vbuf = (_grown(t, fresh, length, room) for t, fresh in ((keys, key_states),
                                                                                    (values, value_states)))
@@ -77,10 +80,11 @@ def _growing_layer_class():
                 kbuf[:, :, length:length + new].copy_(key_states)
                 vbuf[:, :, length:length + new].copy_(value_states)
                 self.keys, self.values = kbuf[:, :, :length + new], vbuf[:, :, :length + new]
+                self._keys_view, self._values_view = self.keys, self.values
                 return self.keys, self.values
 
             def reset(self) -> None:
-                self.key_buffer = self.value_buffer = None
+                self.key_buffer = self.value_buffer = self._keys_view = self._values_view = None
                 super().reset()
 
         _GROWING = GrowingLayer
