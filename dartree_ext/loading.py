@@ -70,10 +70,14 @@ def smollm2_arch_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> to
 def load_target(spec: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
     """A target model and its tokenizer from ``"tiny"``, ``"smollm2"``, ``"smollm2-arch"``
     (random weights, for timing) or a local HF directory. An SDPA model attends through
-    :func:`dartree_ext.attention.use_packed_attention` (no key/value copies for a tree's heads)."""
+    :func:`dartree_ext.attention.use_packed_attention` (no key/value copies for a tree's heads); a
+    Llama runs its decoding forwards flat (:func:`dartree_ext.flat_forward.use_flat_forward`: the
+    same bits without the module machinery)."""
     from .attention import use_packed_attention
+    from .flat_forward import use_flat_forward
     loaded = _load_target(spec, dtype, device)
     use_packed_attention(loaded.target)
+    use_flat_forward(loaded.target)
     return loaded
 
 

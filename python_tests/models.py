@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from dartree_ext import quant
+from dartree_ext.linear import set_linear
 from dartree_ext.models import BlockDrafter
 
 
@@ -28,6 +30,24 @@ def tiny_target(kind: str = "llama", vocab: int = 97, hidden: int = 32, layers: 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def quantized_model(kind: str = "q4_1", seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2,
+                    int8: bool = False):
+    """A tiny llama whose linear layers (the output head too) are ``kind`` blocks, with its dense
+    weights set to the de-quantized values (what a GGUF loader gives), patched with set_linear's
+    few_rows and then the blocks."""
+    target = tiny_target("llama", vocab=vocab, hidden=hidden, layers=layers, seed=seed)
+    found = {}
+    with torch.no_grad():
+        for name, module in target.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                blocks = quant.quantize(module.weight, kind)
+                module.weight.copy_(quant.dequantize(blocks, kind))
+                found[name] = (kind, blocks)
+    set_linear(target, "few_rows")
+    assert quant.use_quant_linear(target, found, int8=int8) == len(found)
+    return target
 
 
 def tiny_drafter(target, seed: int = 1, **config) -> BlockDrafter:

@@ -13,6 +13,7 @@ import torch
 import dartree_ext
 from dartree_ext import ops, quant, reference
 from dartree_ext.linear import linear_kind, linear_kinds, set_linear
+from models import quantized_model
 
 _FLAGS = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
 HAS_AVX512 = {"avx512f", "avx512bw", "f16c"} <= _FLAGS
@@ -203,25 +204,6 @@ def test_int8_bad_input():
 
 
 # ---- a model on blocks --------------------------------------------------------------------------
-
-def quantized_model(kind: str = "q4_1", seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2,
-                    int8: bool = False):
-    """A tiny llama whose linear layers (the output head too) are ``kind`` blocks, with its dense
-    weights set to the de-quantized values (what a GGUF loader gives), patched with set_linear's
-    few_rows and then the blocks."""
-    from models import tiny_target
-    target = tiny_target("llama", vocab=vocab, hidden=hidden, layers=layers, seed=seed)
-    found = {}
-    with torch.no_grad():
-        for name, module in target.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                blocks = quant.quantize(module.weight, kind)
-                module.weight.copy_(quant.dequantize(blocks, kind))
-                found[name] = (kind, blocks)
-    set_linear(target, "few_rows")
-    assert quant.use_quant_linear(target, found, int8=int8) == len(found)
-    return target
-
 
 def test_model_patch_and_restore():
     target = quantized_model()

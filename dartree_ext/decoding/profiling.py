@@ -92,6 +92,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
     """What a measured cost model depends on; a change in any of it is a different cache entry."""
     from .. import __version__, build_info
     from ..attention import attention_kind
+    from ..flat_forward import flat
     from ..linear import linear_kind
     from ..row_layers import row_layers_used
     few_rows = linear_kind(target) != "torch" or (drafter is not None and linear_kind(drafter) == "few_rows")
@@ -107,7 +108,7 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "dtype": str(param.dtype).replace("torch.", ""), "drafter_dtype": str(dparam).replace("torch.", ""),
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
-        "attention": attention_kind(target),
+        "attention": attention_kind(target), "flat_forward": flat(target),
         **({"linear": linear_kind(target)} if linear_kind(target) != "torch" else {}),
         **({"row_layers": True} if row_layers_used(target) else {}),
         **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
@@ -358,7 +359,7 @@ def cached_cost_model(target: torch.nn.Module, drafter: torch.nn.Module | None =
 def forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64) -> float:
     """Median time (ms) of ``model``'s forward over ``tokens`` new tokens after ``context`` cached ones
     (random ids; each of ``reps`` repetitions on a fresh cache, after one warm-up)."""
-    from .hf import new_cache
+    from .hf import additive_mask, new_cache
     param = next(model.parameters())
     timer = _Timer(param.device)
     vocab = int(model.config.vocab_size)
@@ -366,11 +367,17 @@ def forward_ms(model: torch.nn.Module, tokens: int, reps: int, context: int = 64
     ctx = torch.randint(0, vocab, (1, context), generator=gen).to(param.device)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(param.device)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # as the decoding loops call it: a 4D additive mask (causal over the new tokens) and positions
+    visible = torch.ones(1, 1, tokens, context + tokens, dtype=torch.bool, device=param.device)
+    visible[..., context:] = torch.ones(tokens, tokens, dtype=torch.bool, device=param.device).tril()
+    mask = additive_mask(visible, param.dtype)
+    positions = torch.arange(context, context + tokens, device=param.device)[None]
     samples = []
     for rep in range(reps + 1):
         cache = new_cache(model)
         model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        ms = timer(lambda: model(input_ids=ids, use_cache=True, **{cache_kw: cache}))
+        ms = timer(lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 **{cache_kw: cache}))
         if rep:
             samples.append(ms)
     return statistics.median(samples)
@@ -387,6 +394,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+gguf|+gguf_int8]": ms})``."""
     from .. import __version__, build_info
     from ..attention import attention_kind
+    from ..flat_forward import flat
     from ..linear import LINEAR_KINDS
     param = next(model.parameters())
     if not dtypes or not linears:
@@ -401,7 +409,7 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     key = {"kind": "dtype", "version": COST_MODEL_VERSION, "dartree_ext": __version__, "torch": torch.__version__,
            "model": model_digest(model), "device": device_name(param.device),
            "threads": torch.get_num_threads(), "candidates": [str(c) for c in dtypes], "tokens": list(tokens),
-           "attention": attention_kind(model)}
+           "attention": attention_kind(model), "flat_forward": flat(model), "masked": True}
     if list(linears) != ["torch"]:
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")
