@@ -79,6 +79,8 @@ TORCH_LIBRARY(dartree_ext, m) {
   // ... with x rounded to 8 bits a block of 32, integer dot products (CPU only)
   m.def("quant_linear_int8(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
   m.def("quant_linear_int8_portable(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor");
+  // bfloat16 through AMX tiles over weights packed by pack_amx (CPU only; batch-invariant)
+  m.def("amx_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   // attention area (CPU only: a verification forward's or a plain step's few query rows)
   m.def("few_rows_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   // drafter area (CPU only: a drafter pass's elementwise steps, one call each)
@@ -97,6 +99,7 @@ std::string few_rows_linear_path_name(const std::string& dtype);  // csrc/cpu/li
 std::string vector_build_name();                                   // csrc/cpu/rows.cpp
 std::string quant_linear_path_name();                              // csrc/cpu/quant_linear.cpp
 std::string quant_linear_int8_path_name();                         // csrc/cpu/quant_linear_int8.cpp
+std::string amx_linear_path_name();                                // csrc/cpu/amx_linear.cpp
 }
 
 namespace {
@@ -119,6 +122,7 @@ pybind11::dict build_info() {
   info["few_rows_linear"] = linear;
   info["quant_linear"] = dartree::quant_linear_path_name();
   info["quant_linear_int8"] = dartree::quant_linear_int8_path_name();
+  info["amx_linear"] = dartree::amx_linear_path_name();  // "amx_bf16" or "unavailable"
   info["vector_build"] = dartree::vector_build_name();  // the row ops' lanes: avx512, avx2 or base
   return info;
 }

@@ -132,7 +132,7 @@ def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft
     to ``target``, or with ``None`` a freshly initialised one (an :class:`Eagle3Drafter` with
     ``eagle3=True``; random: expect almost no accepted tokens). ``draft_vocab=False`` ignores a
     saved draft vocabulary (drafts over the full one). The drafter's linear layers run as the
-    target's do when it is loaded (:func:`dartree_ext.linear.set_linear`: ``few_rows`` or
+    target's do when it is loaded (:func:`dartree_ext.linear.set_linear`: ``few_rows``, ``amx`` or
     ``torch``), so set the target's first."""
     from .linear import few_rows_max_rows, linear_kind, set_linear
     if spec:
@@ -143,8 +143,10 @@ def load_drafter(spec: str | None, target: torch.nn.Module, seed: int = 1, draft
         torch.manual_seed(seed)
         kind = Eagle3Drafter if eagle3 else BlockDrafter
         drafter = kind.from_target(target).to(next(target.parameters()).dtype).eval()
-    if linear_kind(target) != "torch":  # few_rows, or gguf (the drafter has dense weights only)
-        set_linear(drafter, "few_rows", few_rows_max_rows(target))
+    kind = linear_kind(target)
+    if kind != "torch":  # few_rows, amx (where the drafter is bfloat16), or gguf (the drafter has dense weights only)
+        amx = kind == "amx" and next(drafter.parameters()).dtype is torch.bfloat16
+        set_linear(drafter, "amx" if amx else "few_rows", few_rows_max_rows(target))
     return drafter
 
 

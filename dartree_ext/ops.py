@@ -23,9 +23,9 @@ import torch
 
 from ._widths import depth_widths
 
-__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
+__all__ = ["MAX_HEAP_BUDGET", "MAX_TREE_NODES", "amx_linear", "build_supertree", "check_tree", "compact_kv_", "compact_kv_layers_", "compact_kv_paged_",
            "ddtree_heap",
-           "expand_depth", "few_rows_attention", "few_rows_linear", "packed_tree_mask", "quant_linear", "quant_linear_int8", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
+           "expand_depth", "few_rows_attention", "few_rows_linear", "pack_amx", "packed_tree_mask", "quant_linear", "quant_linear_int8", "rms_norm_rows", "rotary_rows", "rotary_tables", "silu_mul",
            "select_top_b", "select_top_w", "tokens_from_logits", "tree_ancestor_bits",
            "tree_attention_mask", "tree_links", "validate_inputs", "verify_tree"]
 
@@ -300,6 +300,43 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     (``build_info()["few_rows_linear"]`` says which). ``bias`` has the dtype of ``x``. No autograd.
     """
     return _ops.few_rows_linear.default(x, weight, bias)
+
+
+AMX_TILE = (16, 32)  # (outputs, inputs) of one packed weight tile
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (bfloat16, K a multiple of 32) in :func:`amx_linear`'s layout: ``[ceil(N / 16),
+    K / 32, 512]`` bfloat16, tile ``[nb, kb]`` holding at ``(r * 16 + c) * 2 + e`` the weight
+    ``W[nb * 16 + c, kb * 32 + 2 r + e]`` (TDPBF16PS's B operand; outputs past N are zeros). The same
+    values, rearranged: as many bytes as ``weight`` (and a partial block of outputs)."""
+    outs, ins = AMX_TILE
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"pack_amx: weight must be a bfloat16 [N, K] matrix, got "
+                         f"{getattr(weight, 'dtype', type(weight).__name__)} {list(getattr(weight, 'shape', []))}")
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % ins:
+        raise ValueError(f"pack_amx: weight must have N > 0 outputs and K a positive multiple of {ins} inputs, "
+                         f"got [{n}, {k}]")
+    blocks = -(-n // outs)
+    w = weight.detach()
+    if blocks * outs != n:
+        w = torch.cat([w, w.new_zeros(blocks * outs - n, k)])
+    # [nb, c, kb, r, e] -> [nb, kb, r, c, e]
+    return w.reshape(blocks, outs, k // ins, ins // 2, 2).permute(0, 2, 3, 1, 4).reshape(blocks, k // ins, outs * ins)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` in bfloat16 through Intel AMX tiles, ``W [out_features, K]`` packed by
+    :func:`pack_amx`, for a few rows of ``x [..., K]`` (at most 256; CPU, bfloat16, K a multiple of
+    32). Each output element is a float32 accumulator over K in order (one TDPBF16PS a 32 inputs;
+    bfloat16 products are exact), plus the bias, rounded to bfloat16 once. Batch-invariant: row
+    ``m`` is bit-identical to the result for ``x[m]`` alone (a tree verification rounds like a plain
+    step), and the weights stream through once per 16 rows, so 1 to 16 rows cost about the same.
+    The bits differ from :func:`few_rows_linear`'s (another summation order). Needs AMX-BF16 and
+    the kernel's grant of the tile state (``build_info()["amx_linear"] == "amx_bf16"``); else
+    ``RuntimeError``. No autograd."""
+    return _ops.amx_linear.default(x, packed, out_features, bias)
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -683,6 +720,12 @@ def _quant_linear_fake(x, blocks, kind, bias):
 
 for _name in ("quant_linear_portable", "quant_linear_int8", "quant_linear_int8_portable"):
     torch.library.register_fake(f"dartree_ext::{_name}")(_quant_linear_fake)
+
+
+@torch.library.register_fake("dartree_ext::amx_linear")
+def _amx_linear_fake(x, packed, out_features, bias):
+    _check_same_device("amx_linear", x=x, packed=packed, **({} if bias is None else {"bias": bias}))
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("dartree_ext::few_rows_attention")

@@ -301,6 +301,13 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float64, rounded to bfloat16 once (the AMX op sums in float32 in
+    its own order: compare within a tolerance)."""
+    y = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return y.to(torch.bfloat16)
+
+
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(blocks, kind).T + bias`` in float32, rounded to the dtype of ``x`` once."""
     from .quant import dequantize

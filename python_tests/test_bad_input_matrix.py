@@ -58,6 +58,13 @@ def _with(t, index, value):
     return t
 
 
+def _amx(x=None, packed=None, out=20, bias=None):
+    """amx_linear of 20 outputs over 32 inputs (2 output blocks), each argument replaceable."""
+    weight = torch.randn(20, 32).bfloat16()
+    return ops.amx_linear(torch.randn(2, 32).bfloat16() if x is None else x,
+                          ops.pack_amx(weight) if packed is None else packed, out, bias)
+
+
 def _head(b, dtype=torch.float32):
     return CorrectionHeadWeights.random(30, 12, 8, 6, device=b.device, dtype=dtype)
 
@@ -334,6 +341,17 @@ CASES += [
        backends=CPU),
     _c("quant_linear_int8", "mixed dtypes", "bias",
        lambda b, v: _quant(b, "quant_linear_int8", bias=torch.zeros(4).bfloat16()), RuntimeError, backends=CPU),
+    # AMX linear (CPU only; the shape checks come before the AMX check, so they run on any CPU)
+    _c("amx_linear", "oversize", "x", lambda b, v: _amx(x=torch.randn(257, 32).bfloat16()), backends=CPU),
+    _c("amx_linear", "mixed dtypes", "x", lambda b, v: _amx(x=torch.randn(2, 32)), RuntimeError, backends=CPU),
+    _c("amx_linear", "mixed dtypes", "bias", lambda b, v: _amx(bias=torch.zeros(20)), RuntimeError, backends=CPU),
+    _c("amx_linear", "zero size", "out_features", lambda b, v: _amx(out=0), backends=CPU),
+    _c("amx_linear", "zero size", "x", lambda b, v: _amx(x=torch.randn(2, 40).bfloat16()), backends=CPU),
+    _c("amx_linear", "empty", "packed", lambda b, v: _amx(packed=torch.zeros(2, 0, 512).bfloat16()), RuntimeError,
+       backends=CPU),
+    _c("pack_amx", "mixed dtypes", "weight", lambda b, v: ops.pack_amx(torch.randn(20, 32)), backends=CPU),
+    _c("pack_amx", "zero size", "weight", lambda b, v: ops.pack_amx(torch.randn(20, 40).bfloat16()), backends=CPU),
+    _c("pack_amx", "empty", "weight", lambda b, v: ops.pack_amx(torch.zeros(0, 32).bfloat16()), backends=CPU),
     # row ops (CPU only)
     _c("few_rows_linear", "oversize", "x", lambda b, v: ops.few_rows_linear(torch.randn(257, 4), torch.randn(3, 4)),
        backends=CPU),

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from dartree_ext.cli import generate_main  # noqa: E402
+from dartree_ext.linear import amx_available  # noqa: E402
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
@@ -50,7 +51,8 @@ def test_generate_cli_defaults_auto_budget_and_dtype(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{"):])
     assert summary["budget"] == "auto" and summary["dtype"] in ("float32", "bfloat16")
-    assert set(summary["dtype_forward_ms"]) == {"float32", "bfloat16", "float32+few_rows", "bfloat16+few_rows"}
+    assert set(summary["dtype_forward_ms"]) == {"float32", "bfloat16", "float32+few_rows", "bfloat16+few_rows"} | (
+        {"bfloat16+amx"} if amx_available() else set())
     assert summary["linear"] in ("torch", "few_rows")
     assert ("speedup_vs_hf_generate_torch_linear" in summary) == (summary["linear"] == "few_rows")
     assert summary["speedup_vs_ar"] > 0 and summary["speedup_vs_hf_generate"] > 0

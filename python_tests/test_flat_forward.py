@@ -12,7 +12,7 @@ from dartree_ext import flat_forward
 from dartree_ext.attention import use_packed_attention
 from dartree_ext.decoding import SpeculativeDecoder
 from dartree_ext.decoding.hf import additive_mask, new_cache
-from dartree_ext.linear import set_linear
+from dartree_ext.linear import amx_available, set_linear
 from models import quantized_model, tiny_drafter, tiny_target
 
 
@@ -69,11 +69,16 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("linear", ["torch", "few_rows", "gguf"])
+@pytest.mark.parametrize("linear", ["torch", "few_rows", "gguf", "amx"])
 @pytest.mark.parametrize("attention", ["sdpa", "packed", "eager"])
 def test_flat_forward_gives_the_modules_bits(dtype, linear, attention):
+    if linear == "amx" and (dtype != torch.bfloat16 or not amx_available()):
+        pytest.skip("amx: bfloat16 on a CPU with AMX tiles")
     if linear == "gguf":
         model = quantized_model("q4_1", hidden=64, layers=2)
+    elif linear == "amx":
+        model = tiny_target("llama", hidden=64, layers=3).bfloat16()
+        set_linear(model, "amx")
     else:
         model = tiny_target("llama", hidden=32, layers=3)
         set_linear(model, linear)

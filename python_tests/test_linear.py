@@ -10,7 +10,7 @@ import torch
 import dartree_ext
 from dartree_ext import ops, reference
 from dartree_ext.decoding import profiling as costmod
-from dartree_ext.linear import (DEFAULT_MAX_ROWS, few_rows_max_rows, linear_kind, restore_torch_linear, set_linear,
+from dartree_ext.linear import (DEFAULT_MAX_ROWS, amx_available, few_rows_max_rows, linear_kind, restore_torch_linear, set_linear,
                                 use_few_rows_linear)
 from dartree_ext.loading import tiny_target
 
@@ -356,13 +356,15 @@ def test_resolve_forward_applies_the_set_up(cache_dir, monkeypatch):
     """What dartree-generate and bench/e2e/e2e.py do with --dtype / --linear: explicit choices are
     applied without measuring, "auto" takes choose_forward's pick, bad names are refused."""
     calls = _fake_forward_times(monkeypatch, {(torch.float32, "torch"): 5.0, (torch.bfloat16, "torch"): 3.0,
-                                              (torch.float32, "few_rows"): 4.0, (torch.bfloat16, "few_rows"): 6.0})
+                                              (torch.float32, "few_rows"): 4.0, (torch.bfloat16, "few_rows"): 6.0,
+                                              (torch.bfloat16, "amx"): 7.0})
     model, dtype, linear, ms = costmod.resolve_forward(tiny_target(), "float32", "few_rows")
     assert (dtype, linear, ms, calls) == (torch.float32, "few_rows", {}, [])
     assert linear_kind(model) == "few_rows" and next(model.parameters()).dtype == torch.float32
     model, dtype, linear, ms = costmod.resolve_forward(tiny_target(), "auto", "auto")
+    # amx is measured in bfloat16 only, where this process has AMX tiles
     assert (dtype, linear) == (torch.bfloat16, "torch") and calls and set(ms) == {
-        "float32", "float32+few_rows", "bfloat16", "bfloat16+few_rows"}
+        "float32", "float32+few_rows", "bfloat16", "bfloat16+few_rows"} | ({"bfloat16+amx"} if amx_available() else set())
     assert linear_kind(model) == "torch" and next(model.parameters()).dtype == torch.bfloat16
     model, dtype, linear, _ = costmod.resolve_forward(tiny_target(), torch.float32, "auto")
     assert (dtype, linear) == (torch.float32, "few_rows") and linear_kind(model) == "few_rows"

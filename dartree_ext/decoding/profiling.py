@@ -391,7 +391,8 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     sum of the forward times over ``tokens`` new tokens (a plain step and a small tree), measured
     on copies of ``model`` (every set-up in turn, ``reps`` times; the median) and cached like the
     cost model. Off the CPU: torch's linear, and
-    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+gguf|+gguf_int8]": ms})``."""
+    bfloat16 (if a candidate) without measuring. Returns ``(dtype, linear, {"<dtype>[+few_rows|+amx|+gguf|+gguf_int8]": ms})``
+    (``"amx"`` is measured in bfloat16 only)."""
     from .. import __version__, build_info
     from ..attention import attention_kind
     from ..flat_forward import flat
@@ -413,6 +414,8 @@ def choose_forward(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torc
     if list(linears) != ["torch"]:
         key["linears"] = list(linears)
         key["few_rows_linear"] = build_info().get("few_rows_linear")
+    if "amx" in linears:
+        key["amx_linear"] = build_info().get("amx_linear")
     if any(k.startswith("gguf") for k in linears):
         key["quant_linear"] = build_info().get("quant_linear")
         key["quant_linear_int8"] = build_info().get("quant_linear_int8")
@@ -456,6 +459,8 @@ def _time_setups(model, dtypes, linears, tokens, reps) -> dict:
         for _ in range(reps):
             for dtype, trial in trials:
                 for kind in linears:
+                    if kind == "amx" and dtype != torch.bfloat16:  # AMX tiles take bfloat16 only
+                        continue
                     set_linear(trial, kind)
                     name = str(dtype).replace("torch.", "") + ("" if kind == "torch" else "+" + kind)
                     samples.setdefault(name, []).append(sum(forward_ms(trial, n, 1) for n in tokens))
