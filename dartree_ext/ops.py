@@ -332,7 +332,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     32). Each output element is a float32 accumulator over K in order (one TDPBF16PS a 32 inputs;
     bfloat16 products are exact), plus the bias, rounded to bfloat16 once. Batch-invariant: row
     ``m`` is bit-identical to the result for ``x[m]`` alone (a tree verification rounds like a plain
-    step), and the weights stream through once per 16 rows, so 1 to 16 rows cost about the same.
+    step), and the weights stream through once per 32 rows (1 to 16 rows cost about the same).
     The bits differ from :func:`few_rows_linear`'s (another summation order). Needs AMX-BF16 and
     the kernel's grant of the tile state (``build_info()["amx_linear"] == "amx_bf16"``); else
     ``RuntimeError``. No autograd."""

@@ -10,7 +10,7 @@ supertree (plus root) -> B = 64, and ddtree_heap with D = 16, K = 64 at budgets 
 `--only attention` (CPU): few_rows_attention against the packed SDPA it replaces
 (`dartree_ext.attention.gqa_attention`), SmolLM2's heads (9 over 3, head dim 64), bfloat16, --past
 cached keys, --attention-rows query rows under a tree mask. `--only rows` (CPU): the per-row steps
-of the target's layers (rms_norm_rows, rotary_tables, silu_mul, quant_linear, the greedy tokens_from_logits) at
+of the target's layers (rms_norm_rows, rotary_tables, silu_mul, quant_linear, amx_linear, the greedy tokens_from_logits) at
 SmolLM2's shapes in bfloat16 against their PyTorch forms, at --row-counts rows (1: a plain step,
 9: a tree, 37: the main command's prefill), and silu_mul through each build the CPU runs.
 `--only validate`: each wrapper with its data checks (`validate=True`, the default; "ours") against
@@ -270,6 +270,13 @@ def row_cases(row_counts: list[int]):
         yield "quant_linear (q4_1) vs F.linear on the dense weights", f"T={t} 1536x576", (
             lambda x=xq, b=blocks: ops.quant_linear(x, b, "q4_1"),
             lambda x=xq, w=dense: torch.nn.functional.linear(x, w))
+        if dartree_ext.build_info().get("amx_linear") == "amx_bf16":
+            wb, xb = dense.bfloat16(), xq.bfloat16()
+            packed = ops.pack_amx(wb)
+            yield "amx_linear vs F.linear (bf16)", f"T={t} 1536x576", (
+                lambda x=xb, p=packed: ops.amx_linear(x, p, 1536), lambda x=xb, w=wb: torch.nn.functional.linear(x, w))
+            yield "amx_linear vs few_rows_linear (bf16)", f"T={t} 1536x576", (
+                lambda x=xb, p=packed: ops.amx_linear(x, p, 1536), lambda x=xb, w=wb: ops.few_rows_linear(x, w))
         logits = torch.randn(t, 49152, generator=gen).bfloat16()
         yield "tokens_from_logits (greedy) vs argmax", f"T={t} V=49152", (
             lambda z=logits: ops.tokens_from_logits(z, None, 0.0), lambda z=logits: reference.tokens_from_logits(z, None, 0.0))

@@ -16,9 +16,10 @@
 // Its bits differ from few_rows_linear's (another summation order), so a model runs one or the
 // other for all its small forwards.
 //
-// Tiling: for each 16 rows of x, the threads split the output blocks; each thread runs 4 output
-// blocks at once (4 C tiles, the A tile loaded once for the 4 B tiles), so the weights stream
-// through once per 16 rows of x. Linux grants the process the tile state on first use
+// Tiling: for each 32 rows of x, the threads split the output blocks; up to 16 rows, each thread runs
+// 4 output blocks at once (4 C tiles, the A tile loaded once for the 4 B tiles), 17 to 32 rows 2
+// output blocks for both 16-row halves (each B tile loaded once for the 2 A tiles), so the weights
+// stream through once per 32 rows of x. Linux grants the process the tile state on first use
 // (arch_prctl(ARCH_REQ_XCOMP_PERM)); without AMX, or without that grant, the op refuses to run
 // (build_info()["amx_linear"] says which).
 #include <ATen/ATen.h>
@@ -140,13 +141,84 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_range(const Problem& p, i
   _tile_release();
 }
 
+// Output blocks [nb_begin, nb_end) for x rows m0 .. m0 + mr, 16 < mr <= 32: two output blocks at once
+// for both 16-row halves (C tiles 0-1: rows m0..m0+15, 2-3: the rest; A tiles 4-5, B tiles 6-7), so
+// each weight tile is read once for the 32 rows.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_range_32(const Problem& p, int64_t m0, int64_t mr,
+                                                               int64_t nb_begin, int64_t nb_end) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  const uint8_t second = static_cast<uint8_t>(mr - kTileRows);
+  const uint8_t rows[8] = {16, 16, second, second, 16, second, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = rows[t];
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t kb_count = p.in / kTileInputs, block = kb_count * kTileElems;
+  const c10::BFloat16* xa = p.x + m0 * p.in;
+  const c10::BFloat16* xb = xa + kTileRows * p.in;
+  const long x_stride = static_cast<long>(p.in * 2);
+  alignas(64) float c[4][kTileRows * kTileOutputs];
+  int64_t nb = nb_begin;
+  for (; nb + 2 <= nb_end; nb += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const c10::BFloat16* w0 = p.w + nb * block;
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      const c10::BFloat16* wk = w0 + kb * kTileElems;
+      _tile_loadd(4, xa + kb * kTileInputs, x_stride);
+      _tile_loadd(6, wk, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, xb + kb * kTileInputs, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, wk + block, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    store_block(p, c[0], m0, kTileRows, nb);
+    store_block(p, c[1], m0, kTileRows, nb + 1);
+    store_block(p, c[2], m0 + kTileRows, second, nb);
+    store_block(p, c[3], m0 + kTileRows, second, nb + 1);
+  }
+  for (; nb < nb_end; ++nb) {
+    _tile_zero(0);
+    _tile_zero(2);
+    const c10::BFloat16* w0 = p.w + nb * block;
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      _tile_loadd(4, xa + kb * kTileInputs, x_stride);
+      _tile_loadd(6, w0 + kb * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, xb + kb * kTileInputs, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    store_block(p, c[0], m0, kTileRows, nb);
+    store_block(p, c[2], m0 + kTileRows, second, nb);
+  }
+  _tile_release();
+}
+
 void run(const Problem& p) {
   const int64_t blocks = (p.out + kTileOutputs - 1) / kTileOutputs;
-  for (int64_t m0 = 0; m0 < p.rows; m0 += kTileRows) {
-    const int64_t mr = std::min<int64_t>(kTileRows, p.rows - m0);
-    // chunks of whole 4-block groups (the grain), so a thread's range runs 4 C tiles at once
+  for (int64_t m0 = 0; m0 < p.rows; m0 += 2 * kTileRows) {
+    const int64_t mr = std::min<int64_t>(2 * kTileRows, p.rows - m0);
+    // chunks of whole 4-block groups (the grain), so a thread's range runs its C tiles at once
     at::parallel_for(0, (blocks + 3) / 4, 8, [&](int64_t begin, int64_t end) {
-      tile_range(p, m0, mr, begin * 4, std::min<int64_t>(end * 4, blocks));
+      const int64_t nb_begin = begin * 4, nb_end = std::min<int64_t>(end * 4, blocks);
+      if (mr > kTileRows) {
+        tile_range_32(p, m0, mr, nb_begin, nb_end);
+      } else {
+        tile_range(p, m0, mr, nb_begin, nb_end);
+      }
     });
   }
 }
