@@ -247,7 +247,7 @@ def _load_for_generate(args, parser=None):
     """The resolved config, the target (in the dtype ``--dtype`` asks for and with the linear
     layers ``--linear`` asks for, measured once for ``auto``), its tokenizer, the drafter, the
     corpus, and the forward times the dtype was chosen from."""
-    from .decoding.profiling import resolve_forward
+    from .decoding.profiling import PLAIN_TOKENS, TREE_TOKENS, resolve_forward
     from .loading import default_target, load_drafter, load_target, shipped_drafter
 
     try:
@@ -258,7 +258,9 @@ def _load_for_generate(args, parser=None):
         parser.error(str(e))
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_target(default_target() if args.target == "auto" else args.target, dtype=dtype, device=args.device)
-    target, dtype, args.linear, dtype_ms = resolve_forward(loaded.target, args.dtype, args.linear)
+    # a set-up for what the method's forwards are: one-token steps for plain decoding, trees otherwise
+    tokens = PLAIN_TOKENS if config.method == "ar" else TREE_TOKENS
+    target, dtype, args.linear, dtype_ms = resolve_forward(loaded.target, args.dtype, args.linear, tokens)
     log.info("dtype %s, linear %s (forward ms here: %s)", str(dtype).replace("torch.", ""), args.linear,
              dtype_ms or "not measured")
     spec = config.spec

@@ -469,13 +469,18 @@ def _time_setups(model, dtypes, linears, tokens, reps) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
-                    linear: str = "auto") -> tuple[torch.nn.Module, torch.dtype, str, dict]:
+PLAIN_TOKENS = (1,)  # what a set-up is chosen by for plain decoding: one-token forwards
+TREE_TOKENS = (1, 9, 25)  # ... for the tree methods: a plain step (a rest round) and two tree sizes
+
+
+def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto", linear: str = "auto",
+                    tokens: Sequence[int] = TREE_TOKENS) -> tuple[torch.nn.Module, torch.dtype, str, dict]:
     """Apply the target set-up a command line asks for: ``dtype`` (``"auto"``, a dtype name or a
     ``torch.dtype``) and ``linear`` (``"auto"`` or one of ``LINEAR_KINDS``). Each ``"auto"`` is
-    :func:`choose_forward`'s pick (measured once, cached); off the CPU the linear layers are
-    torch's. ``model`` is moved to the dtype in place. Returns ``(model, dtype, linear, ms)``
-    with ``ms`` the measured forward times (``{}`` when nothing was measured)."""
+    :func:`choose_forward`'s pick by the forwards over ``tokens`` new tokens (:data:`TREE_TOKENS`
+    for a tree method, :data:`PLAIN_TOKENS` for plain decoding; measured once, cached); off the
+    CPU the linear layers are torch's. ``model`` is moved to the dtype in place. Returns ``(model,
+    dtype, linear, ms)`` with ``ms`` the measured forward times (``{}`` when nothing was measured)."""
     from ..linear import LINEAR_KINDS, linear_kinds, set_linear
     if linear != "auto" and linear not in LINEAR_KINDS:
         raise ValueError(f"linear must be 'auto' or one of {', '.join(LINEAR_KINDS)}, got {linear!r}")
@@ -488,7 +493,8 @@ def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto",
     ms: dict = {}
     if dtype == "auto" or linear == "auto":
         dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (dtype,)
-        dtype, linear, ms = choose_forward(model, dtypes, linear_kinds(model, auto=True) if linear == "auto" else (linear,))
+        dtype, linear, ms = choose_forward(model, dtypes, linear_kinds(model, auto=True) if linear == "auto" else (linear,),
+                                           tokens=tuple(tokens))
     model = model.to(dtype)
     set_linear(model, linear)
     return model, dtype, linear, ms
