@@ -3,9 +3,9 @@ each method reads per token, and how far above the floor each runs.
 
 Plain decoding reads every weight of the target once a token, so bytes / bandwidth is its floor;
 a speculative round reads them once for the verification (and the drafter's once) and gives tau
-tokens. Per set-up of the target (dtype + linear layers: bfloat16 dense, and the GGUF's Q4_1 /
-Q8_0 blocks through ``quant_linear`` in bfloat16, and through ``quant_linear_int8`` in bfloat16 and
-float32) it decodes the prompt with ``ar``
+tokens. Per set-up of the target (dtype + linear layers, ``--setups``: the GGUF's Q4_1 / Q8_0 blocks
+through ``quant_linear`` in float32 and bfloat16, bfloat16 dense through ``few_rows_linear`` and
+``amx_linear``, the blocks through ``quant_linear_int8``) it decodes the prompt with ``ar``
 and ``dartree`` (the main command's settings), and with ``--llama-cpp`` llama.cpp's plain decoding
 of the same GGUF, in turn ``--repeats`` times; times are past the first token (prefill left out),
 the median of the repeats.
@@ -29,11 +29,11 @@ import torch
 from dartree_ext.cli import build_generate_parser, decoder_for, generate_config, load_corpus_for
 from dartree_ext.decoding import left_pad
 from dartree_ext.decoding.profiling import device_name
-from dartree_ext.linear import set_linear
+from dartree_ext.linear import linear_kinds, set_linear
 from dartree_ext.loading import encode_prompt, load_drafter, load_target, shipped_drafter, stop_tokens
 from dartree_ext.quant import gguf_source, layer_blocks
 
-SETUPS = (("bfloat16", "few_rows"), ("bfloat16", "gguf"), ("bfloat16", "gguf_int8"), ("float32", "gguf_int8"))
+SETUPS = ("float32+gguf", "bfloat16+gguf", "bfloat16+few_rows", "bfloat16+amx", "bfloat16+gguf_int8")
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's plain decoding of the target's GGUF")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="dtype+linear, comma-separated (amx where available)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     config = generate_config(build_generate_parser().parse_args(["--max-new-tokens", str(args.max_new_tokens)]))
     drafter_path = shipped_drafter(loaded.name)
     rows = []
-    for dtype, linear in SETUPS:
+    for setup in args.setups.split(","):
+        dtype, linear = setup.split("+")
+        if linear not in linear_kinds(base):
+            print(f"skipping {setup}: linear {linear!r} is not available here")
+            continue
         target = copy.deepcopy(base).to(getattr(torch, dtype))
         set_linear(target, linear)
         drafter = load_drafter(drafter_path, target)

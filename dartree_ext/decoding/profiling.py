@@ -470,7 +470,9 @@ def _time_setups(model, dtypes, linears, tokens, reps) -> dict:
 
 
 PLAIN_TOKENS = (1,)  # what a set-up is chosen by for plain decoding: one-token forwards
-TREE_TOKENS = (1, 9, 25)  # ... for the tree methods: a plain step (a rest round) and two tree sizes
+TREE_TOKENS = (1, 9)  # ... for the tree methods: a plain step (a rest round) and a small tree
+# (1, 9, 25) would rate bfloat16 + amx (cheap wide verifications, 270 MB a step) first on a Xeon where
+# float32 + gguf decodes as fast: docs/results/flat_forward_amx_xeon.md
 
 
 def resolve_forward(model: torch.nn.Module, dtype: str | torch.dtype = "auto", linear: str = "auto",
