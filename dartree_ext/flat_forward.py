@@ -12,7 +12,9 @@ the configured attention function and the cache's ``update`` directly, in transf
 on the same tensors: the logits, the hidden states and the cache are the same bits as the
 modules' forward gives (tested). Any other call (a prefill without a mask, ``inputs_embeds``,
 labels, attention weights, a selection of hidden states, training, autograd, a ``torch.compile``
-trace) takes transformers' forward.
+trace) takes transformers' forward. The calls are resolved once per model (a plan, rebuilt when
+a module, weight or patch it read is replaced; see the section below): the per-row norm ops and
+the GGUF block ops are called directly, q/k/v and gate/up in one block-op call each.
 
     from dartree_ext.flat_forward import use_flat_forward, restore_module_forward
     use_flat_forward(target)        # True where the model is a plain Llama
@@ -27,10 +29,11 @@ run by flat forwards.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
-_FLAG = "_dartree_flat_forward"  # on a flattened model: its layers, as _Plan
+_FLAG = "_dartree_flat_forward"  # on a flattened model
 
 
 def _llama():
@@ -100,6 +103,7 @@ def restore_module_forward(model: torch.nn.Module) -> bool:
         return False
     delattr(model, _FLAG)
     model.__dict__.pop("forward", None)
+    _PLANS.pop(model, None)
     return True
 
 
@@ -162,7 +166,13 @@ def _decode(model, input_ids, mask, position_ids, cache, hidden_wanted: bool, lo
     cos, sin = position_embeddings
     states = [x] if hidden_wanted else None
     input_shape = x.shape[:-1]
-    for layer in inner.layers[:config.num_hidden_layers]:
+    plan = _plan(model) if not torch.is_grad_enabled() else None
+    if plan is not None and plan.takes(x):
+        x = _run_plan(plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary)
+        layers = ()
+    else:
+        layers = inner.layers[:config.num_hidden_layers]
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         residual = x
         h = layer.input_layernorm.forward(x)
@@ -191,3 +201,184 @@ def _decode(model, input_ids, mask, position_ids, cache, hidden_wanted: bool, lo
     logits = model.lm_head.forward(slice_logits_to_keep(x, logits_to_keep))
     return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(states) if hidden_wanted else None,
                                   **{_cache_names()[1]: cache})
+
+
+# ---- the plan: what the flat forward calls, resolved once -----------------------------------------
+#
+# Resolving each layer's calls (which forward a module runs, whether a row op takes it) costs
+# about 5 ms of a 17 ms one-token SmolLM2-135M forward on a 2-vCPU Xeon. A plan resolves them once
+# per model: the norms' weights where row_layers patched them (ops.rms_norm_rows called
+# directly), the linear layers patched with GGUF blocks (their block op called directly, and
+# sibling layers on one buffer, q/k/v and gate/up, in one call: each output element of the block
+# ops is computed alone, so one call over the joined rows gives each layer's bits), every other
+# layer's own forward. Which rotary and attention calls apply is decided at the first layer of a
+# forward (every layer has the same shapes). The plan records every object it read (the modules,
+# their forwards, patch flags, norm weights and epsilons, attention scalings) and is used only
+# while each is still the same object: a module or weight replaced, a layer re-patched, rebuilds it.
+
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+
+
+class _Plan:
+    __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "fused", "__weakref__")
+
+    def valid(self) -> bool:
+        return all(d.get(k) is v for d, k, v in self.checks)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether a forward of ``x`` (the embedded tokens) runs the plan: the conditions every
+        direct block-op call of the plan shares (CPU, float32 / bfloat16, at most max_rows rows)."""
+        return (x.is_cpu and (x.dtype is torch.float32 or x.dtype is torch.bfloat16)
+                and 0 < x.numel() <= self.max_rows * x.shape[-1])
+
+
+def plan_summary(model: torch.nn.Module) -> dict | None:
+    """What the flat forward of ``model`` runs directly (its plan, built on first use): ``{"layers",
+    "joined_calls" (one block-op call for sibling layers), "block_calls" (direct block-op calls in
+    all), "norms" (direct ops.rms_norm_rows)}``, or ``None`` where the model is not flattened."""
+    plan = _plan(model) if flat(model) else None
+    if plan is None:
+        return None
+    return {"layers": len(plan.layers), "joined_calls": plan.fused[0], "block_calls": plan.fused[1],
+            "norms": sum(entry[1] is not None for layer in plan.layers for entry in (layer[0], layer[7]))}
+
+
+def _plan(model) -> _Plan | None:
+    plan = _PLANS.get(model)
+    if plan is None or not plan.valid():
+        plan = _PLANS[model] = _build_plan(model)
+    return plan
+
+
+def _build_plan(model) -> _Plan:
+    from . import ops
+    from .quant import _FLAG as QUANT, _quant_forward, joined_rows
+    from .row_layers import _FLAG as ROW, _norm_forward
+    inner = model.model
+    layers = inner.layers
+    checks = [(model._modules, "model", inner), (inner._modules, "layers", layers)]
+    checks += [(layers._modules, k, v) for k, v in layers._modules.items()]
+    counts = [0, 0]
+    max_rows = [1 << 62]
+    norm_dtypes = set()
+
+    def watch(module, *names):
+        checks.extend((module.__dict__, n, module.__dict__.get(n)) for n in ("forward", QUANT, ROW, *names))
+
+    def norm(module):
+        watch(module, "variance_epsilon")
+        weight = module._parameters.get("weight")
+        checks.append((module._parameters, "weight", weight))
+        forward = module.__dict__.get("forward")
+        if (getattr(forward, "__func__", None) is _norm_forward and weight is not None and weight.dim() == 1
+                and weight.is_cpu):
+            norm_dtypes.add(weight.dtype)
+            return (module, weight, module.variance_epsilon)
+        return (module, None, None)
+
+    def block_flag(module):
+        watch(module)
+        checks.append((module._parameters, "bias", module._parameters.get("bias")))
+        flag = module.__dict__.get(QUANT)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is _quant_forward and module.bias is None:
+            return flag
+        return None
+
+    def linears(modules):
+        """One callable running ``modules`` (siblings reading one input): a tuple of their outputs."""
+        flags = [block_flag(m) for m in modules]
+        if all(flags):
+            for f in flags:
+                max_rows[0] = min(max_rows[0], f[2])
+            op = [ops._ops.quant_linear.default, ops._ops.quant_linear_int8.default]
+            joined = joined_rows([f[1] for f in flags]) if len({(f[0], f[3]) for f in flags}) == 1 else None
+            if joined is not None and len(modules) > 1:
+                counts[0] += 1
+                counts[1] += 1
+                run, kind, sizes = op[flags[0][3]], flags[0][0], [f[1].shape[0] for f in flags]
+                return lambda h: run(h, joined, kind, None).split(sizes, -1)
+            counts[1] += len(flags)
+            calls = [(op[f[3]], f[1], f[0]) for f in flags]
+            if len(calls) == 1:
+                (run, blocks, kind), = calls
+                return lambda h: (run(h, blocks, kind, None),)
+            return lambda h: tuple(run(h, blocks, kind, None) for run, blocks, kind in calls)
+        for m, f in zip(modules, flags):
+            if f is not None:
+                max_rows[0] = min(max_rows[0], f[2])
+                counts[1] += 1
+        forwards = [m.forward for m in modules]
+        return lambda h: tuple(f(h) for f in forwards)
+
+    entries = []
+    for layer in layers[:inner.config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        for parent, names in ((layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+                              (attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (mlp, ("gate_proj", "up_proj", "down_proj"))):
+            checks.extend((parent._modules, n, parent._modules.get(n)) for n in names)
+        watch(attn, "scaling", "layer_idx", "head_dim")
+        watch(mlp)
+        silu = hasattr(mlp, ROW) and mlp.gate_proj.out_features == mlp.up_proj.out_features
+        scaling = attn.head_dim ** -0.5 if attn.scaling is None else float(attn.scaling)
+        entries.append((norm(layer.input_layernorm), linears((attn.q_proj, attn.k_proj, attn.v_proj)),
+                        linears((attn.o_proj,)), attn, attn.layer_idx, scaling, attn.scaling,
+                        norm(layer.post_attention_layernorm), linears((mlp.gate_proj, mlp.up_proj)),
+                        linears((mlp.down_proj,)), silu, mlp))
+    plan = _Plan()
+    # entry: (in norm, qkv, o, attn, layer_idx, scaling, scaling as given, post norm, gate/up, down, silu, mlp)
+    plan.layers = entries
+    plan.checks = checks
+    plan.head_dim = layers[0].self_attn.head_dim if len(layers) else 0
+    plan.max_rows = max_rows[0]
+    plan.norm_dtype = norm_dtypes.pop() if len(norm_dtypes) == 1 else None
+    plan.fused = tuple(counts)
+    return plan
+
+
+def _run_plan(plan: _Plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary):
+    """The decoder layers of :func:`_decode` as the plan resolved them (the same calls on the same
+    tensors, the same bits)."""
+    from .attention import _hf_attention, _packable, few_rows_kernel_fits
+    from .row_layers import _rotary_fits, one_call
+    from . import ops
+    norm_op = ops._ops.rms_norm_rows.default if x.dtype == plan.norm_dtype else None
+    rotary_op, attention_op, silu_op = ops._ops.rotary_tables.default, ops._ops.few_rows_attention.default, \
+        ops._ops.silu_mul.default
+    input_shape = x.shape[:-1]
+    hidden_shape = (*input_shape, -1, plan.head_dim)
+    direct_rotary = direct_attention = None  # decided at the first layer: every layer has its shapes
+    keys, visible = -1, mask
+    for (n1, qkv, o_proj, attn, idx, scaling, given_scaling, n2, gate_up, down, silu, mlp) in plan.layers:
+        residual = x
+        h = norm_op(x, n1[1], n1[2]) if norm_op is not None and n1[1] is not None else n1[0].forward(x)
+        q, k, v = qkv(h)
+        q, k, v = q.view(hidden_shape).transpose(1, 2), k.view(hidden_shape).transpose(1, 2), \
+            v.view(hidden_shape).transpose(1, 2)
+        if direct_rotary is None:
+            direct_rotary = hasattr(rotary, "_dartree_original") and _rotary_fits(q, k, cos, sin, 1)
+        q, k = rotary_op(q, k, cos, sin) if direct_rotary else rotary(q, k, cos, sin)
+        k, v = cache.update(k, v, idx)
+        if direct_attention is None:
+            keys = k.shape[-2]
+            visible = mask if mask.shape[-1] == keys else mask[:, :, :, :keys]
+            direct_attention = (attention is _hf_attention
+                                and _packable(attn, q, mask, 0.0, {}, grouped=False)
+                                and few_rows_kernel_fits(q, k, v, visible))
+        if direct_attention and k.shape[-2] == keys:
+            out = attention_op(q, k, v, visible, scaling).transpose(1, 2).contiguous()
+        else:
+            out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=given_scaling, position_ids=position_ids,
+                               use_cache=True)
+        x = residual + o_proj(out.reshape(*input_shape, -1).contiguous())[0]
+        residual = x
+        h = norm_op(x, n2[1], n2[2]) if norm_op is not None and n2[1] is not None else n2[0].forward(x)
+        gate, up = gate_up(h)
+        if silu and one_call(gate, up) and gate.shape == up.shape:  # row_layers' _mlp_forward
+            h = silu_op(gate, up)
+        else:
+            h = mlp.act_fn(gate) * up
+        x = residual + down(h)[0]
+        if states is not None:
+            states.append(x)
+    return x

@@ -21,6 +21,8 @@ with the same patched model are compared like for like.
 """
 from __future__ import annotations
 
+import functools
+
 import types
 
 import torch
@@ -53,8 +55,10 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+@functools.lru_cache(maxsize=None)
 def amx_available() -> bool:
-    """Whether this process can run :func:`dartree_ext.ops.amx_linear` (AMX-BF16, granted the tile state)."""
+    """Whether this process can run :func:`dartree_ext.ops.amx_linear` (AMX-BF16, granted the tile
+    state; asked once a process)."""
     from ._C import build_info
     return build_info().get("amx_linear") == "amx_bf16"
 
@@ -166,10 +170,11 @@ def linear_kind(model: torch.nn.Module) -> str:
     inputs rounded to 8 bits), ``"amx"`` when they run ``amx_linear``, ``"few_rows"`` when they are
     patched with ``few_rows_linear`` alone, else ``"torch"``."""
     from .quant import int8_activations, quantized_bytes
-    if not any(hasattr(m, _FLAG) for m in model.modules() if isinstance(m, torch.nn.Linear)):
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, _FLAG)]
+    if not linears:
         return "torch"
     if not quantized_bytes(model):
-        return "amx" if any(hasattr(m, _AMX) for m in model.modules()) else "few_rows"
+        return "amx" if any(hasattr(m, _AMX) for m in linears) else "few_rows"
     return "gguf_int8" if int8_activations(model) else "gguf"
 
 

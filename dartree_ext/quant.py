@@ -117,6 +117,50 @@ def pack_int8(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.cat(parts, 1).contiguous()
 
 
+# ---- sibling layers in one buffer ---------------------------------------------------------------
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers that read the same input
+
+
+def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``parts`` (2D, one row width) as one tensor of their rows without a copy, where they are
+    consecutive rows of one buffer (as :func:`gguf_linears` and :func:`use_quant_linear` lay out
+    :data:`SIBLINGS`); else ``None``."""
+    first = parts[0]
+    width = first.shape[-1] if first.dim() == 2 else -1
+    for a, b in zip(parts, parts[1:]):
+        if not (b.dim() == 2 and b.shape[1] == width and b.dtype == a.dtype and a.is_contiguous() and b.is_contiguous()
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, width), (width, 1))
+
+
+def _join_siblings(layers: dict[str, tuple[str, torch.Tensor]], transform=None) -> dict[str, tuple[str, torch.Tensor]]:
+    """``layers`` with each :data:`SIBLINGS` group of one module (all present, one kind, one row
+    width) as views of one buffer of their rows, so that one call of a block op can run the group
+    (``transform(blocks, kind)``, a row-wise repacking such as :func:`pack_int8`, applied to the
+    buffer; to the other layers' blocks alone)."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, (kind, blocks) in layers.items():
+        if name in out:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in SIBLINGS if leaf in g), ())
+        names = [f"{parent}.{n}" if parent else n for n in group]
+        parts = [layers[n][1] for n in names if n in layers]
+        if (len(parts) == len(names) > 1 and {layers[n][0] for n in names} == {kind}
+                and len({p.shape[1] for p in parts}) == 1):
+            joined = joined_rows(parts)
+            joined = torch.cat(parts) if joined is None else joined
+            joined = joined if transform is None else transform(joined, kind)
+            out.update((n, (kind, view)) for n, view in zip(names, joined.split([p.shape[0] for p in parts])))
+        else:
+            out[name] = (kind, blocks if transform is None else transform(blocks, kind))
+    return out
+
+
 # ---- GGUF files -------------------------------------------------------------------------------
 
 _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -157,7 +201,7 @@ def gguf_linears(path: str, config) -> dict[str, tuple[str, torch.Tensor]]:
         if parts[-2:-1] in (["attn_q"], ["attn_k"]):
             blocks = blocks[_unpermute_rows(blocks.shape[0], heads if parts[2] == "attn_q" else kv_heads)]
         found[name] = (kind, blocks.contiguous())
-    return found
+    return _join_siblings(found)
 
 
 # ---- a model's layers --------------------------------------------------------------------------
@@ -181,6 +225,10 @@ def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.
     modules = dict(model.named_modules())
     count = 0
     for name, (kind, blocks) in layers.items():
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+            raise ValueError(f"use_quant_linear: {name}'s blocks must be a uint8 [out, bytes] tensor")
+    layers = _join_siblings(layers, pack_int8 if int8 else None)
+    for name, (kind, blocks) in layers.items():
         layer = modules.get(name)
         if not isinstance(layer, torch.nn.Linear):
             raise ValueError(f"use_quant_linear: {name} is not an nn.Linear of the model")
@@ -188,7 +236,7 @@ def use_quant_linear(model: torch.nn.Module, layers: dict[str, tuple[str, torch.
         shape = (blocks.shape[0], blocks.shape[1] // size * BLOCK)
         if shape != tuple(layer.weight.shape):
             raise ValueError(f"use_quant_linear: {name}'s {kind} blocks hold {shape}, the layer {tuple(layer.weight.shape)}")
-        setattr(layer, _FLAG, (kind, pack_int8(blocks, kind) if int8 else blocks, int(max_rows), bool(int8)))
+        setattr(layer, _FLAG, (kind, blocks, int(max_rows), bool(int8)))
         layer.forward = types.MethodType(_quant_forward, layer)
         count += 1
     return count

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from dartree_ext import flat_forward
+from dartree_ext import flat_forward, quant
 from dartree_ext.attention import use_packed_attention
 from dartree_ext.decoding import SpeculativeDecoder
 from dartree_ext.decoding.hf import additive_mask, new_cache
@@ -69,13 +69,13 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("linear", ["torch", "few_rows", "gguf", "amx"])
+@pytest.mark.parametrize("linear", ["torch", "few_rows", "gguf", "gguf_int8", "amx"])
 @pytest.mark.parametrize("attention", ["sdpa", "packed", "eager"])
 def test_flat_forward_gives_the_modules_bits(dtype, linear, attention):
     if linear == "amx" and (dtype != torch.bfloat16 or not amx_available()):
         pytest.skip("amx: bfloat16 on a CPU with AMX tiles")
-    if linear == "gguf":
-        model = quantized_model("q4_1", hidden=64, layers=2)
+    if linear.startswith("gguf"):
+        model = quantized_model("q4_1", hidden=64, layers=2, int8=linear == "gguf_int8")
     elif linear == "amx":
         model = tiny_target("llama", hidden=64, layers=3).bfloat16()
         set_linear(model, "amx")
@@ -90,6 +90,70 @@ def test_flat_forward_gives_the_modules_bits(dtype, linear, attention):
     modules, flat = _pair(model)
     for hidden in (True, False):
         _assert_same(_steps(modules, dtype, hidden=hidden), _steps(flat, dtype, hidden=hidden))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_plan_runs_sibling_block_layers_in_one_call(int8):
+    model = quantized_model("q4_1", hidden=64, layers=2, int8=int8)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    parts = [quant.layer_blocks(m)[1] for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    joined = quant.joined_rows(parts)  # one buffer of their rows, no copy
+    assert joined is not None and joined.data_ptr() == parts[0].data_ptr()
+    assert quant.joined_rows([parts[0], parts[2]]) is None  # not consecutive
+    if int8:  # packing is row-wise: the joined packing is each layer's
+        for p, m in zip(parts, (attn.q_proj, attn.k_proj, attn.v_proj)):
+            assert torch.equal(p, quant.pack_int8(quant.quantize(m.weight, "q4_1"), "q4_1"))
+    assert flat_forward.plan_summary(model) is None  # not flattened
+    modules, flat = _pair(model)
+    summary = flat_forward.plan_summary(flat)
+    assert summary == {"layers": 2, "joined_calls": 4, "block_calls": 8, "norms": 4}
+    _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
+    # siblings' blocks given as separate tensors are copied into one buffer
+    q = attn.q_proj
+    quant.restore_quant_linear(model)
+    layers = {n: ("q4_1", quant.quantize(m.weight, "q4_1").clone()) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    set_linear(model, "few_rows")
+    quant.use_quant_linear(model, layers, int8=int8)
+    assert quant.joined_rows([quant.layer_blocks(m)[1] for m in (q, attn.k_proj, attn.v_proj)]) is not None
+    assert all(b.is_contiguous() for _, b in (quant.layer_blocks(m) for m in (q, attn.k_proj)))
+
+
+def test_the_plan_follows_what_changes_in_the_model():
+    """A module, a weight or a patch replaced after the first flat forward: the next one runs the
+    model as it is now (the plan is rebuilt), the same bits as the modules'."""
+    model = quantized_model("q4_1", hidden=64, layers=2)
+    modules, flat = _pair(model)
+    _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
+    first = flat_forward._PLANS[flat]
+
+    def change(m, how):
+        layer = m.model.layers[1]
+        if how == "weight":
+            with torch.no_grad():
+                layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight * 1.5)
+        elif how == "epsilon":
+            layer.post_attention_layernorm.variance_epsilon = 0.25
+        elif how == "unpatched":
+            for proj in (layer.self_attn.k_proj, layer.mlp.down_proj):
+                delattr(proj, quant._FLAG)
+                del proj.forward
+        elif how == "module":
+            torch.manual_seed(5)
+            layer.self_attn.o_proj = torch.nn.Linear(layer.self_attn.o_proj.in_features,
+                                                     layer.self_attn.o_proj.out_features, bias=False)
+        elif how == "norm_forward":
+            del layer.input_layernorm.forward
+
+    for how in ("weight", "epsilon", "unpatched", "module", "norm_forward"):
+        change(modules, how)
+        change(flat, how)
+        if how == "module":
+            flat.model.layers[1].self_attn.o_proj.load_state_dict(modules.model.layers[1].self_attn.o_proj.state_dict())
+        _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
+        assert flat_forward._PLANS[flat] is not first
+        first = flat_forward._PLANS[flat]
+    assert flat_forward.plan_summary(flat)["block_calls"] < 8
 
 
 def test_calls_it_does_not_take_run_the_modules():

@@ -23,7 +23,7 @@ from .cost import CostModel
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 12  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 13  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
 # timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
 # each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum);
@@ -33,6 +33,7 @@ COST_MODEL_VERSION = 12  # 2: set-ups with few_rows_linear; 3: its bf16 kernel w
 # 10: silu_mul on vector selects (an AVX-512 build; no denormal arm): a row's activation 3-5x cheaper
 # 11: each tree size timed in pairs with a plain step, the median of the differences (fit_curve)
 # 12: few_rows_linear in bfloat16 prefetches in every pass over a weight block: 7+ rows cheaper
+# 13: the flat forward's plan (direct row and block ops, q/k/v and gate/up blocks in one call)
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
