@@ -100,6 +100,7 @@ def test_the_plan_runs_sibling_block_layers_in_one_call(int8):
     joined = quant.joined_rows(parts)  # one buffer of their rows, no copy
     assert joined is not None and joined.data_ptr() == parts[0].data_ptr()
     assert quant.joined_rows([parts[0], parts[2]]) is None  # not consecutive
+    assert quant.joined_rows([quant.layer_blocks(m)[1] for m in (mlp.gate_proj, mlp.up_proj)]) is not None
     if int8:  # packing is row-wise: the joined packing is each layer's
         for p, m in zip(parts, (attn.q_proj, attn.k_proj, attn.v_proj)):
             assert torch.equal(p, quant.pack_int8(quant.quantize(m.weight, "q4_1"), "q4_1"))
