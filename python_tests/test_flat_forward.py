@@ -157,6 +157,23 @@ def test_the_plan_follows_what_changes_in_the_model():
     assert flat_forward.plan_summary(flat)["block_calls"] < 8
 
 
+def test_a_plan_goes_with_its_model():
+    import gc
+    import weakref
+    model = quantized_model("q4_1", hidden=64, layers=2)
+    assert flat_forward.use_flat_forward(model)
+    _steps(model, torch.float32)
+    twin = copy.deepcopy(model)  # a copy builds its own plan, over its own modules
+    _steps(twin, torch.float32)
+    assert flat_forward._PLANS[twin] is not flat_forward._PLANS[model]
+    assert flat_forward._PLANS[twin].layers[0][3] is twin.model.layers[0].self_attn
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and ref not in [weakref.ref(m) for m in flat_forward._PLANS]
+    assert flat_forward.restore_module_forward(twin) and twin not in flat_forward._PLANS
+
+
 def test_calls_it_does_not_take_run_the_modules():
     modules, flat = _pair(tiny_target("llama"))
     ids = torch.randint(0, 97, (1, 6))
