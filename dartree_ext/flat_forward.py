@@ -62,10 +62,22 @@ def _foreign_hooks(model: torch.nn.Module) -> bool:
     return False
 
 
+def _transformers_has_what_it_calls() -> bool:
+    """Whether this transformers has the helpers the flat forward calls (``slice_logits_to_keep``,
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``, both in transformers 5.25); one without them keeps
+    their own forward."""
+    from transformers import modeling_utils
+    functions = getattr(modeling_utils, "ALL_ATTENTION_FUNCTIONS", None)
+    return hasattr(modeling_utils, "slice_logits_to_keep") and hasattr(functions, "get_interface")
+
+
 def flattenable(model: torch.nn.Module) -> bool:
     """Whether :func:`use_flat_forward` can flatten ``model``: a ``LlamaForCausalLM`` whose every
-    module runs transformers' Llama code (or this library's row ops), without foreign hooks."""
+    module runs transformers' Llama code (or this library's row ops), without foreign hooks, under
+    a transformers that has the helpers the flat forward calls."""
     llama = _llama()
+    if not _transformers_has_what_it_calls():
+        return False
     if type(model) is not llama.LlamaForCausalLM or "forward" in model.__dict__ and not hasattr(model, _FLAG):
         return False
     inner = getattr(model, "model", None)

@@ -217,6 +217,13 @@ def test_models_it_cannot_flatten_are_left_alone():
     custom.model.layers[1].self_attn.o_proj.__class__ = Mine
     assert not flat_forward.use_flat_forward(custom)
     assert not flat_forward.use_flat_forward(tiny_target("qwen2"))
+    from transformers import modeling_utils
+    helper = modeling_utils.slice_logits_to_keep
+    del modeling_utils.slice_logits_to_keep  # a transformers without the helpers it calls
+    try:
+        assert not flat_forward.use_flat_forward(tiny_target("llama"))
+    finally:
+        modeling_utils.slice_logits_to_keep = helper
     model = tiny_target("llama")
     assert flat_forward.use_flat_forward(model) and flat_forward.use_flat_forward(model)  # again: harmless
     assert flat_forward.restore_module_forward(model) and not flat_forward.flat(model)
