@@ -27,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -83,21 +84,53 @@ inline void store_block(const Problem& p, const float* c, int64_t m0, int64_t mr
   }
 }
 
-// Output blocks [nb_begin, nb_end) for x rows m0 .. m0 + mr: C tiles 0-3, A tile 4, B tiles 5-7.
-__attribute__((target("amx-tile,amx-bf16"))) void tile_range(const Problem& p, int64_t m0, int64_t mr,
-                                                            int64_t nb_begin, int64_t nb_end) {
+// The tile configuration: tile t has rows[t] rows of 64 bytes.
+__attribute__((target("amx-tile"))) void load_config(const std::array<uint8_t, 8>& rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
-  for (int t = 0; t < 5; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(mr);
-    cfg.colsb[t] = 64;
-  }
-  for (int t = 5; t < 8; ++t) {
-    cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = rows[t];
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
+}
+
+// One output block nb for x rows m0 .. m0 + mr: C tile 0 from A tile 4 (the first 16 rows, or all
+// mr), and with kTwoHalves C tile 2 from A tile 5 (rows m0 + 16 ..); B tile 6. Both tile_range
+// configurations give these tiles those shapes.
+template <bool kTwoHalves>
+__attribute__((target("amx-tile,amx-bf16"))) void one_block(const Problem& p, int64_t m0, int64_t mr, int64_t nb) {
+  const int64_t kb_count = p.in / kTileInputs;
+  const c10::BFloat16* xa = p.x + m0 * p.in;
+  const c10::BFloat16* xb = xa + kTileRows * p.in;
+  const long x_stride = static_cast<long>(p.in * 2);
+  const c10::BFloat16* w0 = p.w + nb * kb_count * kTileElems;
+  alignas(64) float c[2][kTileRows * kTileOutputs];
+  _tile_zero(0);
+  if constexpr (kTwoHalves) _tile_zero(2);
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    _tile_loadd(4, xa + kb * kTileInputs, x_stride);
+    _tile_loadd(6, w0 + kb * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kTwoHalves) {
+      _tile_loadd(5, xb + kb * kTileInputs, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  store_block(p, c[0], m0, kTwoHalves ? kTileRows : mr, nb);
+  if constexpr (kTwoHalves) {
+    _tile_stored(2, c[1], 64);
+    store_block(p, c[1], m0 + kTileRows, mr - kTileRows, nb);
+  }
+}
+
+// Output blocks [nb_begin, nb_end) for x rows m0 .. m0 + mr: C tiles 0-3, A tile 4, B tiles 5-7.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_range(const Problem& p, int64_t m0, int64_t mr,
+                                                            int64_t nb_begin, int64_t nb_end) {
+  const uint8_t m = static_cast<uint8_t>(mr);
+  load_config({m, m, m, m, m, 16, 16, 16});
   const int64_t kb_count = p.in / kTileInputs, block = kb_count * kTileElems;
   const c10::BFloat16* xa = p.x + m0 * p.in;
   const long x_stride = static_cast<long>(p.in * 2);
@@ -127,17 +160,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_range(const Problem& p, i
     _tile_stored(3, c[3], 64);
     for (int t = 0; t < 4; ++t) store_block(p, c[t], m0, mr, nb + t);
   }
-  for (; nb < nb_end; ++nb) {
-    _tile_zero(0);
-    const c10::BFloat16* w0 = p.w + nb * block;
-    for (int64_t kb = 0; kb < kb_count; ++kb) {
-      _tile_loadd(4, xa + kb * kTileInputs, x_stride);
-      _tile_loadd(5, w0 + kb * kTileElems, 64);
-      _tile_dpbf16ps(0, 4, 5);
-    }
-    _tile_stored(0, c[0], 64);
-    store_block(p, c[0], m0, mr, nb);
-  }
+  for (; nb < nb_end; ++nb) one_block<false>(p, m0, mr, nb);
   _tile_release();
 }
 
@@ -146,16 +169,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_range(const Problem& p, i
 // each weight tile is read once for the 32 rows.
 __attribute__((target("amx-tile,amx-bf16"))) void tile_range_32(const Problem& p, int64_t m0, int64_t mr,
                                                                int64_t nb_begin, int64_t nb_end) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
   const uint8_t second = static_cast<uint8_t>(mr - kTileRows);
-  const uint8_t rows[8] = {16, 16, second, second, 16, second, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = rows[t];
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_config({16, 16, second, second, 16, second, 16, 16});
   const int64_t kb_count = p.in / kTileInputs, block = kb_count * kTileElems;
   const c10::BFloat16* xa = p.x + m0 * p.in;
   const c10::BFloat16* xb = xa + kTileRows * p.in;
@@ -188,22 +203,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_range_32(const Problem& p
     store_block(p, c[2], m0 + kTileRows, second, nb);
     store_block(p, c[3], m0 + kTileRows, second, nb + 1);
   }
-  for (; nb < nb_end; ++nb) {
-    _tile_zero(0);
-    _tile_zero(2);
-    const c10::BFloat16* w0 = p.w + nb * block;
-    for (int64_t kb = 0; kb < kb_count; ++kb) {
-      _tile_loadd(4, xa + kb * kTileInputs, x_stride);
-      _tile_loadd(6, w0 + kb * kTileElems, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, xb + kb * kTileInputs, x_stride);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(2, c[2], 64);
-    store_block(p, c[0], m0, kTileRows, nb);
-    store_block(p, c[2], m0 + kTileRows, second, nb);
-  }
+  for (; nb < nb_end; ++nb) one_block<true>(p, m0, mr, nb);
   _tile_release();
 }
 
