@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -165,8 +166,6 @@ def _decode(model, input_ids, mask, position_ids, cache, hidden_wanted: bool, lo
     modules run it."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
-    from .row_layers import _FLAG as ROW, one_call
-    from . import ops
 
     llama = _llama()
     inner = model.model
@@ -177,36 +176,10 @@ def _decode(model, input_ids, mask, position_ids, cache, hidden_wanted: bool, lo
     position_embeddings = inner.rotary_emb.forward(x, position_ids=position_ids)
     cos, sin = position_embeddings
     states = [x] if hidden_wanted else None
-    input_shape = x.shape[:-1]
-    plan = _plan(model) if not torch.is_grad_enabled() else None
-    if plan is not None and plan.takes(x):
-        x = _run_plan(plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary)
-        layers = ()
-    else:
-        layers = inner.layers[:config.num_hidden_layers]
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        residual = x
-        h = layer.input_layernorm.forward(x)
-        hidden_shape = (*input_shape, -1, attn.head_dim)
-        q = attn.q_proj.forward(h).view(hidden_shape).transpose(1, 2)
-        k = attn.k_proj.forward(h).view(hidden_shape).transpose(1, 2)
-        v = attn.v_proj.forward(h).view(hidden_shape).transpose(1, 2)
-        q, k = rotary(q, k, cos, sin)
-        k, v = cache.update(k, v, attn.layer_idx)
-        out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
-                           use_cache=True)
-        x = residual + attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
-        residual = x
-        h = layer.post_attention_layernorm.forward(x)
-        gate, up = mlp.gate_proj.forward(h), mlp.up_proj.forward(h)
-        if hasattr(mlp, ROW) and one_call(gate, up) and gate.shape == up.shape:  # row_layers' _mlp_forward
-            h = ops.silu_mul(gate, up)
-        else:
-            h = mlp.act_fn(gate) * up
-        x = residual + mlp.down_proj.forward(h)
-        if hidden_wanted:
-            states.append(x)
+    plan = _plan(model, direct=True) if not torch.is_grad_enabled() else None
+    if plan is None or not plan.takes(x):
+        plan = _plan(model, direct=False)
+    x = _run_plan(plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary)
     x = inner.norm.forward(x)
     if hidden_wanted:
         states[-1] = x
@@ -228,11 +201,30 @@ def _decode(model, input_ids, mask, position_ids, cache, hidden_wanted: bool, lo
 # their forwards, patch flags, norm weights and epsilons, attention scalings) and is used only
 # while each is still the same object: a module or weight replaced, a layer re-patched, rebuilds it.
 
-_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, _Plan]]" = weakref.WeakKeyDictionary()
+
+
+class _Layer(NamedTuple):
+    """One decoder layer as a plan runs it. A norm is ``(module, weight, eps)`` with ``weight`` None
+    where its module's forward runs; a linear group a callable giving its layers' outputs."""
+    norm_in: tuple
+    qkv: Callable
+    o_proj: Callable
+    attn: torch.nn.Module
+    layer_idx: int
+    scaling: float
+    given_scaling: float | None
+    norm_post: tuple
+    gate_up: Callable
+    down: Callable
+    silu: bool
+    mlp: torch.nn.Module
 
 
 class _Plan:
-    __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "fused", "__weakref__")
+    """A model's decoder layers resolved: ``direct`` ones call the row and block ops themselves;
+    the other (every call autograd or more rows need) runs each module's own forward."""
+    __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "counts", "__weakref__")
 
     def valid(self) -> bool:
         return all(d.get(k) is v for d, k, v in self.checks)
@@ -248,21 +240,22 @@ def plan_summary(model: torch.nn.Module) -> dict | None:
     """What the flat forward of ``model`` runs directly (its plan, built on first use): ``{"layers",
     "joined_calls" (one block-op call for sibling layers), "block_calls" (direct block-op calls in
     all), "norms" (direct ops.rms_norm_rows)}``, or ``None`` where the model is not flattened."""
-    plan = _plan(model) if flat(model) else None
-    if plan is None:
+    if not flat(model):
         return None
-    return {"layers": len(plan.layers), "joined_calls": plan.fused[0], "block_calls": plan.fused[1],
-            "norms": sum(entry[1] is not None for layer in plan.layers for entry in (layer[0], layer[7]))}
+    plan = _plan(model, direct=True)
+    return {"layers": len(plan.layers), "joined_calls": plan.counts[0], "block_calls": plan.counts[1],
+            "norms": sum(norm[1] is not None for layer in plan.layers for norm in (layer.norm_in, layer.norm_post))}
 
 
-def _plan(model) -> _Plan | None:
-    plan = _PLANS.get(model)
+def _plan(model, direct: bool) -> _Plan:
+    plans = _PLANS.setdefault(model, {})
+    plan = plans.get(direct)
     if plan is None or not plan.valid():
-        plan = _PLANS[model] = _build_plan(model)
+        plan = plans[direct] = _build_plan(model, direct)
     return plan
 
 
-def _build_plan(model) -> _Plan:
+def _build_plan(model, direct: bool) -> _Plan:
     from . import ops
     from .quant import _FLAG as QUANT, _quant_forward, joined_rows
     from .row_layers import _FLAG as ROW, _norm_forward
@@ -282,8 +275,8 @@ def _build_plan(model) -> _Plan:
         weight = module._parameters.get("weight")
         checks.append((module._parameters, "weight", weight))
         forward = module.__dict__.get("forward")
-        if (getattr(forward, "__func__", None) is _norm_forward and weight is not None and weight.dim() == 1
-                and weight.is_cpu):
+        if (direct and getattr(forward, "__func__", None) is _norm_forward and weight is not None
+                and weight.dim() == 1 and weight.is_cpu):
             norm_dtypes.add(weight.dtype)
             return (module, weight, module.variance_epsilon)
         return (module, None, None)
@@ -299,7 +292,7 @@ def _build_plan(model) -> _Plan:
     def linears(modules):
         """One callable running ``modules`` (siblings reading one input): a tuple of their outputs."""
         flags = [block_flag(m) for m in modules]
-        if all(flags):
+        if direct and all(flags):
             for f in flags:
                 max_rows[0] = min(max_rows[0], f[2])
             op = [ops._ops.quant_linear.default, ops._ops.quant_linear_int8.default]
@@ -315,10 +308,6 @@ def _build_plan(model) -> _Plan:
                 (run, blocks, kind), = calls
                 return lambda h: (run(h, blocks, kind, None),)
             return lambda h: tuple(run(h, blocks, kind, None) for run, blocks, kind in calls)
-        for m, f in zip(modules, flags):
-            if f is not None:
-                max_rows[0] = min(max_rows[0], f[2])
-                counts[1] += 1
         forwards = [m.forward for m in modules]
         return lambda h: tuple(f(h) for f in forwards)
 
@@ -333,24 +322,24 @@ def _build_plan(model) -> _Plan:
         watch(mlp)
         silu = hasattr(mlp, ROW) and mlp.gate_proj.out_features == mlp.up_proj.out_features
         scaling = attn.head_dim ** -0.5 if attn.scaling is None else float(attn.scaling)
-        entries.append((norm(layer.input_layernorm), linears((attn.q_proj, attn.k_proj, attn.v_proj)),
-                        linears((attn.o_proj,)), attn, attn.layer_idx, scaling, attn.scaling,
-                        norm(layer.post_attention_layernorm), linears((mlp.gate_proj, mlp.up_proj)),
-                        linears((mlp.down_proj,)), silu, mlp))
+        entries.append(_Layer(norm(layer.input_layernorm), linears((attn.q_proj, attn.k_proj, attn.v_proj)),
+                              linears((attn.o_proj,)), attn, attn.layer_idx, scaling, attn.scaling,
+                              norm(layer.post_attention_layernorm), linears((mlp.gate_proj, mlp.up_proj)),
+                              linears((mlp.down_proj,)), silu, mlp))
     plan = _Plan()
-    # entry: (in norm, qkv, o, attn, layer_idx, scaling, scaling as given, post norm, gate/up, down, silu, mlp)
     plan.layers = entries
     plan.checks = checks
     plan.head_dim = layers[0].self_attn.head_dim if len(layers) else 0
     plan.max_rows = max_rows[0]
     plan.norm_dtype = norm_dtypes.pop() if len(norm_dtypes) == 1 else None
-    plan.fused = tuple(counts)
+    plan.counts = tuple(counts)
     return plan
 
 
 def _run_plan(plan: _Plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary):
-    """The decoder layers of :func:`_decode` as the plan resolved them (the same calls on the same
-    tensors, the same bits)."""
+    """The decoder layers of ``LlamaModel.forward`` as the plan resolved them: the modules' calls in
+    their order on the same tensors (a direct op where the module's forward would call it), the
+    same bits."""
     from .attention import _hf_attention, _packable, few_rows_kernel_fits
     from .row_layers import _rotary_fits, one_call
     from . import ops

@@ -109,6 +109,9 @@ def test_the_plan_runs_sibling_block_layers_in_one_call(int8):
     summary = flat_forward.plan_summary(flat)
     assert summary == {"layers": 2, "joined_calls": 4, "block_calls": 8, "norms": 4}
     _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
+    # a prefill of more rows than the block layers take (2 x 40 > 65): the plan of module forwards
+    _assert_same(_steps(modules, torch.float32, prompt=40), _steps(flat, torch.float32, prompt=40))
+    assert not flat_forward._PLANS[flat][False].counts[1]
     # siblings' blocks given as separate tensors are copied into one buffer
     q = attn.q_proj
     quant.restore_quant_linear(model)
@@ -126,7 +129,7 @@ def test_the_plan_follows_what_changes_in_the_model():
     model = quantized_model("q4_1", hidden=64, layers=2)
     modules, flat = _pair(model)
     _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
-    first = flat_forward._PLANS[flat]
+    first = flat_forward._PLANS[flat][True]
 
     def change(m, how):
         layer = m.model.layers[1]
@@ -153,7 +156,7 @@ def test_the_plan_follows_what_changes_in_the_model():
             flat.model.layers[1].self_attn.o_proj.load_state_dict(modules.model.layers[1].self_attn.o_proj.state_dict())
         _assert_same(_steps(modules, torch.float32), _steps(flat, torch.float32))
         assert flat_forward._PLANS[flat] is not first
-        first = flat_forward._PLANS[flat]
+        first = flat_forward._PLANS[flat][True]
     assert flat_forward.plan_summary(flat)["block_calls"] < 8
 
 
@@ -166,7 +169,7 @@ def test_a_plan_goes_with_its_model():
     twin = copy.deepcopy(model)  # a copy builds its own plan, over its own modules
     _steps(twin, torch.float32)
     assert flat_forward._PLANS[twin] is not flat_forward._PLANS[model]
-    assert flat_forward._PLANS[twin].layers[0][3] is twin.model.layers[0].self_attn
+    assert flat_forward._PLANS[twin][True].layers[0].attn is twin.model.layers[0].self_attn
     ref = weakref.ref(model)
     del model
     gc.collect()

@@ -1,5 +1,6 @@
-"""The flat forward with its plan against the flat forward resolving every call at every layer:
-the same bits (checked), and the time of one forward over n new tokens.
+"""The flat forward's direct plan (row and block ops called directly, sibling block layers in one
+call) against its plan of module forwards (each layer's own forward, as autograd and wide prefills
+run it): the same bits (checked), and the time of one forward over n new tokens.
 
     python bench/e2e/flat_plan_ab.py --setups float32+gguf,bfloat16+amx --rows 1,9 --rounds 3
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     import time
     base = load_target(args.target, dtype=torch.float32).target
     planned = flat_forward._plan
+
+    def generic(model, direct):
+        return planned(model, False)
+
     print(f"{device_name('cpu')}, {torch.get_num_threads()} threads, context {args.context}")
     print("| set-up | rows | with plan ms | without ms | without / with | same bits |")
     print("|---|---|---|---|---|---|")
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             same = True
             with torch.inference_mode():
                 try:
-                    flat_forward._plan = lambda m: None
+                    flat_forward._plan = generic
                     ref = step(fresh())
                     flat_forward._plan = planned
                     out = step(fresh())
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                         torch.equal(a, b) for a, b in zip(ref.hidden_states, out.hidden_states))
                     for _ in range(args.rounds):
                         for use in (True, False):
-                            flat_forward._plan = planned if use else (lambda m: None)
+                            flat_forward._plan = planned if use else generic
                             caches = [fresh() for _ in range(args.reps + 2)]
                             step(caches[0])
                             step(caches[1])
