@@ -7,6 +7,8 @@
 #ifdef DARTREE_PYTHON_MODULE
 #include <Python.h>
 #include <torch/extension.h>
+
+#include "cpu/decoder_layers.h"
 #endif
 
 #ifndef DARTREE_TORCH_VERSION
@@ -139,6 +141,32 @@ std::vector<at::Tensor> narrow_all(const std::vector<at::Tensor>& tensors, int64
   return out;
 }
 
+// A DecoderStack from flat lists, two entries a layer for the norms (input, post-attention), four
+// for the linear groups (q / k / v joined, o, gate / up joined, down).
+dartree::DecoderStack make_decoder_stack(const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
+                                         const std::vector<at::Tensor>& blocks, const std::vector<std::string>& kinds,
+                                         const std::vector<bool>& int8,
+                                         const std::vector<std::vector<int64_t>>& sizes,
+                                         const std::vector<double>& scalings, int64_t head_dim) {
+  const size_t count = scalings.size();
+  TORCH_CHECK_VALUE(norms.size() == 2 * count && eps.size() == 2 * count && blocks.size() == 4 * count &&
+                        kinds.size() == 4 * count && int8.size() == 4 * count && sizes.size() == 4 * count,
+                    "DecoderStack: 2 norms and 4 linear groups a layer expected for ", count, " layers");
+  std::vector<dartree::DecoderLayer> layers(count);
+  for (size_t i = 0; i < count; ++i) {
+    dartree::DecoderLayer& l = layers[i];
+    l.norm_in = norms[2 * i];
+    l.norm_post = norms[2 * i + 1];
+    l.eps_in = eps[2 * i];
+    l.eps_post = eps[2 * i + 1];
+    l.scaling = scalings[i];
+    dartree::BlockLinear* groups[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (size_t g = 0; g < 4; ++g)
+      *groups[g] = dartree::BlockLinear{blocks[4 * i + g], kinds[4 * i + g], int8[4 * i + g], sizes[4 * i + g]};
+  }
+  return dartree::DecoderStack(std::move(layers), head_dim);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -146,5 +174,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "How this extension was built: torch version, CUDA kernels, archs.");
   m.def("narrow_all", &narrow_all, pybind11::arg("tensors"), pybind11::arg("dim"), pybind11::arg("length"),
         "Every tensor cut to its first `length` entries along `dim` (views), in one call.");
+  pybind11::class_<dartree::DecoderStack>(m, "DecoderStack",
+                                          "A Llama decoder stack on GGUF blocks run as one C++ loop (flat_forward)")
+      .def(pybind11::init(&make_decoder_stack), pybind11::arg("norms"), pybind11::arg("eps"),
+           pybind11::arg("blocks"), pybind11::arg("kinds"), pybind11::arg("int8"), pybind11::arg("sizes"),
+           pybind11::arg("scalings"), pybind11::arg("head_dim"))
+      .def("run", &dartree::DecoderStack::run, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("mask"), pybind11::arg("first"), pybind11::arg("keys"), pybind11::arg("values"),
+           pybind11::arg("key_buffers"), pybind11::arg("value_buffers"), pybind11::arg("all_states"),
+           "Layers [first, len) over x and the cache; None (nothing written) where a cache is not a buffer's "
+           "prefix with room")
+      .def("__len__", &dartree::DecoderStack::size);
 }
 #endif

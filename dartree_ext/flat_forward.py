@@ -224,7 +224,7 @@ class _Layer(NamedTuple):
 class _Plan:
     """A model's decoder layers resolved: ``direct`` ones call the row and block ops themselves;
     the other (every call autograd or more rows need) runs each module's own forward."""
-    __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "counts", "__weakref__")
+    __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "counts", "stack", "__weakref__")
 
     def valid(self) -> bool:
         return all(d.get(k) is v for d, k, v in self.checks)
@@ -301,17 +301,21 @@ def _build_plan(model, direct: bool) -> _Plan:
                 counts[0] += 1
                 counts[1] += 1
                 run, kind, sizes = op[flags[0][3]], flags[0][0], [f[1].shape[0] for f in flags]
+                groups.append((joined, kind, flags[0][3], sizes))
                 return lambda h: run(h, joined, kind, None).split(sizes, -1)
             counts[1] += len(flags)
             calls = [(op[f[3]], f[1], f[0]) for f in flags]
             if len(calls) == 1:
                 (run, blocks, kind), = calls
+                groups.append((blocks, kind, flags[0][3], [blocks.shape[0]]))
                 return lambda h: (run(h, blocks, kind, None),)
+            groups.append(None)
             return lambda h: tuple(run(h, blocks, kind, None) for run, blocks, kind in calls)
+        groups.append(None)
         forwards = [m.forward for m in modules]
         return lambda h: tuple(f(h) for f in forwards)
 
-    entries = []
+    entries, groups = [], []  # groups: each linear group's (blocks, kind, int8, sizes), None where not direct
     for layer in layers[:inner.config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         for parent, names in ((layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
@@ -333,7 +337,27 @@ def _build_plan(model, direct: bool) -> _Plan:
     plan.max_rows = max_rows[0]
     plan.norm_dtype = norm_dtypes.pop() if len(norm_dtypes) == 1 else None
     plan.counts = tuple(counts)
+    plan.stack = _decoder_stack(entries, groups, plan.head_dim) if direct and plan.norm_dtype is not None else None
     return plan
+
+
+def _decoder_stack(entries: list[_Layer], groups: list, head_dim: int):
+    """The layers as one C++ loop (``_C.DecoderStack``: the direct plan's calls from C++), where
+    every layer's calls are direct: both norms, q / k / v and gate / up each one joined call, o and
+    down one call each, the fused SiLU; else ``None``."""
+    from ._C import DecoderStack
+    if not entries or any(g is None for g in groups) or not all(
+            e.norm_in[1] is not None and e.norm_post[1] is not None and e.silu for e in entries):
+        return None
+    layer_groups = [groups[4 * i:4 * i + 4] for i in range(len(entries))]
+    if any([len(g[3]) for g in lg] != [3, 1, 2, 1] for lg in layer_groups):
+        return None
+    return DecoderStack(norms=[w for e in entries for w in (e.norm_in[1], e.norm_post[1])],
+                        eps=[float(v) for e in entries for v in (e.norm_in[2], e.norm_post[2])],
+                        blocks=[g[0] for lg in layer_groups for g in lg], kinds=[g[1] for lg in layer_groups for g in lg],
+                        int8=[bool(g[2]) for lg in layer_groups for g in lg],
+                        sizes=[list(g[3]) for lg in layer_groups for g in lg],
+                        scalings=[e.scaling for e in entries], head_dim=head_dim)
 
 
 def _run_plan(plan: _Plan, x, cos, sin, mask, position_ids, cache, states, attention, rotary):
@@ -350,7 +374,12 @@ def _run_plan(plan: _Plan, x, cos, sin, mask, position_ids, cache, states, atten
     hidden_shape = (*input_shape, -1, plan.head_dim)
     direct_rotary = direct_attention = None  # decided at the first layer: every layer has its shapes
     keys, visible = -1, mask
-    for (n1, qkv, o_proj, attn, idx, scaling, given_scaling, n2, gate_up, down, silu, mlp) in plan.layers:
+    stack = plan.stack if norm_op is not None else None
+    for i, (n1, qkv, o_proj, attn, idx, scaling, given_scaling, n2, gate_up, down, silu, mlp) in enumerate(plan.layers):
+        if i == 1 and stack is not None and direct_rotary and direct_attention:
+            out = _run_stack(stack, x, cos, sin, visible, cache, states)
+            if out is not None:
+                return out
         residual = x
         h = norm_op(x, n1[1], n1[2]) if norm_op is not None and n1[1] is not None else n1[0].forward(x)
         q, k, v = qkv(h)
@@ -383,3 +412,39 @@ def _run_plan(plan: _Plan, x, cos, sin, mask, position_ids, cache, states, atten
         if states is not None:
             states.append(x)
     return x
+
+
+def _run_stack(stack, x, cos, sin, visible, cache, states):
+    """Layers 1 on of a forward whose first layer ran every call directly, as one C++ loop, where
+    the cache is a transformers ``Cache`` of this library's growing layers (keys and values the
+    first slots of buffers with room); else ``None``, nothing run."""
+    layers = getattr(cache, "layers", None)
+    if (layers is None or len(layers) < len(stack) or getattr(cache, "offloading", False)
+            or type(cache).update is not _cache_update()):
+        return None
+    rest = layers[1:len(stack)]
+    if not all(getattr(type(layer), "_dartree_growing", False) and "update" in type(layer).__dict__ for layer in rest):
+        return None
+    found = stack.run(x, cos, sin, visible, 1, [layer.keys for layer in rest], [layer.values for layer in rest],
+                      [layer.__dict__.get("key_buffer") for layer in rest],
+                      [layer.__dict__.get("value_buffer") for layer in rest], states is not None)
+    if found is None:
+        return None
+    outs, keys, values = found
+    for layer, k, v in zip(rest, keys, values):  # what the layers' update sets
+        layer.keys = layer._keys_view = k
+        layer.values = layer._values_view = v
+    if states is not None:
+        states.extend(outs)
+    return outs[-1]
+
+
+_UPDATE = None
+
+
+def _cache_update():
+    global _UPDATE
+    if _UPDATE is None:
+        from transformers.cache_utils import Cache
+        _UPDATE = Cache.update
+    return _UPDATE

@@ -160,6 +160,76 @@ def test_the_plan_follows_what_changes_in_the_model():
     assert flat_forward.plan_summary(flat)["block_calls"] < 8
 
 
+class _Counted:
+    """A plan's DecoderStack that counts the forwards it ran (``runs``) and declined (``declined``)."""
+
+    def __init__(self, stack):
+        self.stack, self.runs, self.declined = stack, 0, 0
+
+    def __len__(self):
+        return len(self.stack)
+
+    def run(self, *args):
+        found = self.stack.run(*args)
+        self.runs += found is not None
+        self.declined += found is None
+        return found
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layers_after_the_first_run_as_one_cpp_loop(int8, dtype):
+    """With every call of a layer direct (block layers, norm ops, packed attention, a growing
+    cache), layers 1 on run in ``_C.DecoderStack``: the modules' bits, the cache's views and
+    buffers as the layers' own update leaves them; a cache it cannot write (no room, another
+    layout) is left to the layers' update."""
+    model = quantized_model("q4_1", hidden=64, layers=3, int8=int8).to(dtype)
+    assert use_packed_attention(model)
+    modules, flat = _pair(model)
+    plan = flat_forward._plan(flat, True)
+    assert plan.stack is not None and len(plan.stack) == 3
+    plan.stack = counted = _Counted(plan.stack)
+    for hidden in (True, False):
+        _assert_same(_steps(modules, dtype, hidden=hidden), _steps(flat, dtype, hidden=hidden))
+    assert counted.runs == 2 and counted.declined == 2  # the tree steps; the prefills find empty layers
+
+    # a buffer without room for the step: declined, the layers' update grows it
+    cache = new_cache(flat)
+    ids = torch.randint(0, flat.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        flat(input_ids=ids, cache=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.key_buffer, layer.value_buffer = layer.key_buffer[:, :, :6], layer.value_buffer[:, :, :6]
+        step = dict(input_ids=ids[:, :2], attention_mask=torch.zeros(1, 1, 2, 8, dtype=dtype),
+                    position_ids=torch.tensor([[6, 7]]), use_cache=True)
+        twin = copy.deepcopy(cache)
+        out = flat(cache=cache, **step)
+        assert counted.declined == 3 and all(layer.key_buffer.shape[2] > 8 for layer in cache.layers)
+        ref = modules(cache=twin, **step)
+        assert torch.equal(out.logits, ref.logits)
+        out = flat(cache=cache, **{**step, "attention_mask": torch.zeros(1, 1, 2, 10, dtype=dtype),
+                                   "position_ids": torch.tensor([[8, 9]])})
+        assert counted.runs == 3
+        for layer in cache.layers:  # what GrowingLayer.update leaves: views of the buffers, the step's slots
+            assert layer.keys is layer._keys_view and layer.keys.shape[2] == 10
+            assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()
+            assert layer.values is layer._values_view and layer.values.data_ptr() == layer.value_buffer.data_ptr()
+        ref = modules(cache=twin, **{**step, "attention_mask": torch.zeros(1, 1, 2, 10, dtype=dtype),
+                                     "position_ids": torch.tensor([[8, 9]])})
+        assert torch.equal(out.logits, ref.logits)
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(cache.layers, twin.layers))
+    # a cache of transformers' own layers: declined
+    from transformers import DynamicCache
+    runs = counted.runs
+    a, b = DynamicCache(config=flat.config), DynamicCache(config=flat.config)
+    with torch.inference_mode():
+        flat(input_ids=ids, cache=a, use_cache=True)
+        modules(input_ids=ids, cache=b, use_cache=True)
+        assert torch.equal(flat(cache=a, **step).logits, modules(cache=b, **step).logits)
+    assert counted.runs == runs
+
+
 def test_a_plan_goes_with_its_model():
     import gc
     import weakref

@@ -183,14 +183,17 @@ def test_int8_matches_reference(path, kind, rows, k, n, bias):
 
 @pytest.mark.parametrize("kind", quant.KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_same_bits_on_every_path_and_batch_invariant(kind, dtype):
-    blocks, _ = _blocks(41, 704, kind, seed=14)  # 22 blocks: a group of 16 and one of 6
+@pytest.mark.parametrize("count", [18, 22, 26, 32])  # a last group of 2 (128-bit lanes), 6 (256-bit), 10, none
+def test_int8_same_bits_on_every_path_and_batch_invariant(kind, dtype, count):
+    blocks, _ = _blocks(41, 32 * count, kind, seed=14)
     blocks = quant.pack_int8(blocks, kind)
-    x = torch.randn(19, 704, generator=torch.Generator().manual_seed(15)).to(dtype)
+    x = torch.randn(19, 32 * count, generator=torch.Generator().manual_seed(15)).to(dtype)
     y = ops.quant_linear_int8(x, blocks, kind, None)
     assert y.dtype == dtype and torch.equal(y, torch.ops.dartree_ext.quant_linear_int8_portable(x, blocks, kind, None))
-    for m in range(19):
+    for m in range(19):  # one row alone; 19 rows run in passes of 7, 6 and 6
         assert torch.equal(y[m], ops.quant_linear_int8(x[m:m + 1], blocks, kind, None)[0])
+    for rows in (2, 9):
+        assert torch.equal(y[:rows], ops.quant_linear_int8(x[:rows], blocks, kind, None))
 
 
 def test_int8_bad_input():

@@ -1,8 +1,11 @@
 """The flat forward's direct plan (row and block ops called directly, sibling block layers in one
 call) against its plan of module forwards (each layer's own forward, as autograd and wide prefills
-run it): the same bits (checked), and the time of one forward over n new tokens.
+run it), or with ``--without stack`` against the same plan with its layers after the first called
+from Python instead of from the C++ loop (``_C.DecoderStack``): the same bits (checked), and the
+time of one forward over n new tokens.
 
     python bench/e2e/flat_plan_ab.py --setups float32+gguf,bfloat16+amx --rows 1,9 --rounds 3
+    python bench/e2e/flat_plan_ab.py --without stack --setups float32+gguf,float32+gguf_int8
 
 A cache of --context tokens (a fresh one each repetition), the median of --reps after two warm-ups,
 both ways in turn each round; ``without / with`` above 1: the plan is faster.
@@ -29,16 +32,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--without", choices=("plan", "stack"), default="plan",
+                        help="what the other side lacks: the direct plan, or its C++ layer loop")
     args = parser.parse_args(argv)
     import time
     base = load_target(args.target, dtype=torch.float32).target
     planned = flat_forward._plan
 
-    def generic(model, direct):
-        return planned(model, False)
+    stackless = {}
 
-    print(f"{device_name('cpu')}, {torch.get_num_threads()} threads, context {args.context}")
-    print("| set-up | rows | with plan ms | without ms | without / with | same bits |")
+    def generic(model, direct):
+        if args.without == "plan":
+            return planned(model, False)
+        plan = planned(model, direct)
+        if plan.stack is None:
+            return plan
+        if stackless.get(id(plan), (None,))[0] is not plan:
+            bare = flat_forward._Plan()
+            for name in flat_forward._Plan.__slots__[:-1]:
+                setattr(bare, name, getattr(plan, name))
+            bare.stack = None
+            stackless[id(plan)] = (plan, bare)
+        return stackless[id(plan)][1]
+
+    print(f"{device_name('cpu')}, {torch.get_num_threads()} threads, context {args.context}, "
+          f"without: the {args.without}")
+    print(f"| set-up | rows | with {args.without} ms | without ms | without / with | same bits |")
     print("|---|---|---|---|---|---|")
     for setup in args.setups.split(","):
         dtype_name, kind = setup.split("+")

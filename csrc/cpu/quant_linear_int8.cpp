@@ -41,6 +41,12 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define DARTREE_VNNI_QUANT 1
+// GCC 12's AVX-512 headers start casts and inserts from a deliberately undefined vector, which its
+// own uninitialized-use check then reports where they are inlined (GCC bug 105593)
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace dartree {
@@ -167,7 +173,108 @@ void int8_generic(const Problem& p, T* y, int64_t n_begin, int64_t n_end) {
 
 #ifdef DARTREE_VNNI_QUANT
 
-#define DARTREE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#define DARTREE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+// 4 or 8 lanes of 32-bit elements in a 128- or 256-bit vector, and the first lanes of a 512-bit one.
+template <int W>
+struct Narrow;
+
+template <>
+struct Narrow<4> {
+  using I = __m128i;
+  using F = __m128;
+  static DARTREE_VNNI_TARGET I words(__mmask16 m, const void* p) { return _mm_maskz_loadu_epi32(m, p); }
+  static DARTREE_VNNI_TARGET I load(const void* p) { return _mm_loadu_si128(static_cast<const I*>(p)); }
+  static DARTREE_VNNI_TARGET F halves(__mmask16 m, const void* p) {
+    return _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
+  }
+  static DARTREE_VNNI_TARGET F floats(const float* p) { return _mm_loadu_ps(p); }
+  static DARTREE_VNNI_TARGET I dot(I acc, I u, I x) { return _mm_dpbusd_epi32(acc, u, x); }
+  static DARTREE_VNNI_TARGET I add(I a, I b) { return _mm_add_epi32(a, b); }
+  static DARTREE_VNNI_TARGET I nibbles(I w, int shift) {
+    return _mm_and_si128(shift ? _mm_srli_epi16(w, 4) : w, _mm_set1_epi8(0x0F));
+  }
+  static DARTREE_VNNI_TARGET I flip(I w) { return _mm_xor_si128(w, _mm_set1_epi8(static_cast<char>(0x80))); }
+  static DARTREE_VNNI_TARGET F low(__m512 a) { return _mm512_castps512_ps128(a); }
+  static DARTREE_VNNI_TARGET __m512 with_low(__m512 a, F lo) { return _mm512_insertf32x4(a, lo, 0); }
+  static DARTREE_VNNI_TARGET F cvt(I a) { return _mm_cvtepi32_ps(a); }
+  static DARTREE_VNNI_TARGET F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static DARTREE_VNNI_TARGET F fma(F a, F b, F c) { return _mm_fmadd_ps(a, b, c); }
+};
+
+template <>
+struct Narrow<8> {
+  using I = __m256i;
+  using F = __m256;
+  static DARTREE_VNNI_TARGET I words(__mmask16 m, const void* p) { return _mm256_maskz_loadu_epi32(m, p); }
+  static DARTREE_VNNI_TARGET I load(const void* p) { return _mm256_loadu_si256(static_cast<const I*>(p)); }
+  static DARTREE_VNNI_TARGET F halves(__mmask16 m, const void* p) {
+    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
+  }
+  static DARTREE_VNNI_TARGET F floats(const float* p) { return _mm256_loadu_ps(p); }
+  static DARTREE_VNNI_TARGET I dot(I acc, I u, I x) { return _mm256_dpbusd_epi32(acc, u, x); }
+  static DARTREE_VNNI_TARGET I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static DARTREE_VNNI_TARGET I nibbles(I w, int shift) {
+    return _mm256_and_si256(shift ? _mm256_srli_epi16(w, 4) : w, _mm256_set1_epi8(0x0F));
+  }
+  static DARTREE_VNNI_TARGET I flip(I w) { return _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static DARTREE_VNNI_TARGET F low(__m512 a) { return _mm512_castps512_ps256(a); }
+  static DARTREE_VNNI_TARGET __m512 with_low(__m512 a, F lo) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(a), _mm256_castps_pd(lo), 0));
+  }
+  static DARTREE_VNNI_TARGET F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static DARTREE_VNNI_TARGET F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static DARTREE_VNNI_TARGET F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+// The last group k of a row when it holds at most W blocks: the 512-bit path's operations on its
+// lanes 0..W-1 (the lanes past them would take operations on zeros, which leave an accumulator as
+// it is: it is never -0), on W-lane vectors.
+template <int K, int NB, int MB, int W>
+DARTREE_VNNI_TARGET void short_group(const Problem& p, const uint8_t* const* rows, int64_t m0, int64_t k,
+                                     __m512 (&acc)[NB][MB]) {
+  using V = Narrow<W>;
+  const QuantizedX& x = *p.x;
+  const int64_t count = p.blocks - k * kGroup;
+  const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
+  typename V::F d[NB], mm[NB];
+  typename V::I codes[NB][8];
+  _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) {
+    const GroupAt g = group_at(p, rows[i], k);
+    d[i] = V::halves(lanes, g.d);
+    if constexpr (K == kQ4_1) mm[i] = V::halves(lanes, g.m);
+    const int words = K == kQ8_0 ? 8 : 4;
+    _Pragma("GCC unroll 8") for (int w = 0; w < words; ++w) {
+      const typename V::I word = V::words(lanes, g.codes + 4 * w * count);
+      if constexpr (K == kQ8_0) {
+        codes[i][w] = V::flip(word);
+      } else {
+        codes[i][2 * w] = V::nibbles(word, 0);
+        codes[i][2 * w + 1] = V::nibbles(word, 1);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int j = 0; j < MB; ++j) {
+    const int64_t at = (m0 + j) * x.groups + k;
+    const int8_t* xq = x.q.data() + at * 8 * 64;
+    const typename V::F dx = V::floats(x.dx.data() + at * 16), tc = V::floats(x.tc.data() + at * 16);
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) {
+      typename V::I dot{}, odd{};
+      _Pragma("GCC unroll 8") for (int v = 0; v < 8; v += 2) {
+        dot = V::dot(dot, codes[i][v], V::load(xq + v * 64));
+        odd = V::dot(odd, codes[i][v + 1], V::load(xq + (v + 1) * 64));
+      }
+      const typename V::F total = V::cvt(V::add(dot, odd)), lo = V::low(acc[i][j]);
+      typename V::F next;
+      if constexpr (K == kQ4_1) {
+        next = V::fma(mm[i], tc, V::fma(V::mul(total, dx), d[i], lo));
+      } else {
+        next = V::fma(V::fma(total, dx, tc), d[i], lo);
+      }
+      acc[i][j] = V::with_low(acc[i][j], next);
+    }
+  }
+}
 
 // NB weight rows x MB rows of x.
 template <int K, typename T, int NB, int MB>
@@ -180,7 +287,10 @@ DARTREE_VNNI_TARGET void block_vnni(const Problem& p, T* y, int64_t n0, int64_t 
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) rows[i] = p.w + (n0 + i) * p.row_bytes;
   const bool fetch = m0 == 0;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  for (int64_t k = 0; k < p.groups; ++k) {
+  // a short last group of at most 8 blocks runs on 128- or 256-bit vectors (its lanes 0..7)
+  const int64_t full = p.blocks / kGroup, tail = p.blocks % kGroup;
+  const int64_t groups = tail != 0 && tail <= 8 ? full : p.groups;
+  for (int64_t k = 0; k < groups; ++k) {
     const int64_t count = std::min<int64_t>(kGroup, p.blocks - k * kGroup);
     const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
     __m512 d[NB], mm[NB];
@@ -219,16 +329,26 @@ DARTREE_VNNI_TARGET void block_vnni(const Problem& p, T* y, int64_t n0, int64_t 
       const __m512 dx = _mm512_loadu_ps(x.dx.data() + at * 16);
       const __m512 tc = _mm512_loadu_ps(x.tc.data() + at * 16);
       _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) {
-        __m512i dot = _mm512_setzero_si512();
-        _Pragma("GCC unroll 8") for (int v = 0; v < 8; ++v)
+        // two chains of integer dot products (exact: the sum is the same in any order)
+        __m512i dot = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v += 2) {
           dot = _mm512_dpbusd_epi32(dot, codes[i][v], _mm512_loadu_si512(xq + v * 64));
-        const __m512 f = _mm512_cvtepi32_ps(dot);
+          odd = _mm512_dpbusd_epi32(odd, codes[i][v + 1], _mm512_loadu_si512(xq + (v + 1) * 64));
+        }
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(dot, odd));
         if constexpr (K == kQ4_1) {
           acc[i][j] = _mm512_fmadd_ps(mm[i], tc, _mm512_fmadd_ps(_mm512_mul_ps(f, dx), d[i], acc[i][j]));
         } else {
           acc[i][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(f, dx, tc), d[i], acc[i][j]);
         }
       }
+    }
+  }
+  if (groups < p.groups) {
+    if (tail <= 4) {
+      short_group<K, NB, MB, 4>(p, rows, m0, groups, acc);
+    } else {
+      short_group<K, NB, MB, 8>(p, rows, m0, groups, acc);
     }
   }
   _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i)
@@ -255,12 +375,17 @@ void block_rows(const Problem& p, T* y, int64_t n0, int64_t m0, int mb) {
   }
 }
 
+// The rows of x in the fewest passes of at most kInBlock rows, of sizes differing by at most one (9
+// rows: 5 and 4, not 8 and 1, whose lone row would wait on its chains of dot products).
 template <int K, typename T>
 void int8_vnni(const Problem& p, T* y, int64_t n_begin, int64_t n_end) {
-  const int64_t rows = p.x->rows;
+  const int64_t rows = p.x->rows, passes = (rows + kInBlock - 1) / kInBlock;
   for (int64_t n = n_begin; n < n_end; ++n)
-    for (int64_t m = 0; m < rows; m += kInBlock)
-      block_rows<K, T>(p, y, n, m, static_cast<int>(std::min<int64_t>(kInBlock, rows - m)));
+    for (int64_t pass = 0, m = 0; pass < passes; ++pass) {
+      const int64_t mb = rows / passes + (pass < rows % passes ? 1 : 0);
+      block_rows<K, T>(p, y, n, m, static_cast<int>(mb));
+      m += mb;
+    }
 }
 
 #endif
@@ -269,7 +394,7 @@ bool has_vnni() {
 #ifdef DARTREE_VNNI_QUANT
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                          __builtin_cpu_supports("f16c");
+                          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   return yes;
 #else
   return false;

@@ -62,6 +62,10 @@ def _growing_layer_class():
         from transformers.cache_utils import DynamicLayer
 
         class GrowingLayer(DynamicLayer):
+            # keys / values are the first slots of key_buffer / value_buffer, and update writes
+            # the new ones after them (dartree_ext.flat_forward writes them so from C++)
+            _dartree_growing = True
+
             def update(self, key_states, value_states, *args, **kwargs):
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
