@@ -28,6 +28,7 @@ run by flat forwards.
 """
 from __future__ import annotations
 
+import operator
 import types
 import weakref
 from typing import Callable, NamedTuple
@@ -227,7 +228,8 @@ class _Plan:
     __slots__ = ("layers", "checks", "head_dim", "max_rows", "norm_dtype", "counts", "stack", "__weakref__")
 
     def valid(self) -> bool:
-        return all(d.get(k) is v for d, k, v in self.checks)
+        dicts, keys, values = self.checks  # compared in C loops (map), not a generator: ~3x faster
+        return all(map(operator.is_, map(dict.get, dicts, keys), values))
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether a forward of ``x`` (the embedded tokens) runs the plan: the conditions every
@@ -332,7 +334,7 @@ def _build_plan(model, direct: bool) -> _Plan:
                               linears((mlp.down_proj,)), silu, mlp))
     plan = _Plan()
     plan.layers = entries
-    plan.checks = checks
+    plan.checks = tuple(zip(*checks))  # (dicts, keys, the values read)
     plan.head_dim = layers[0].self_attn.head_dim if len(layers) else 0
     plan.max_rows = max_rows[0]
     plan.norm_dtype = norm_dtypes.pop() if len(norm_dtypes) == 1 else None

@@ -169,13 +169,15 @@ def linear_kind(model: torch.nn.Module) -> str:
     """``"gguf"`` when ``model``'s linear layers read a GGUF's blocks (``"gguf_int8"`` with their
     inputs rounded to 8 bits), ``"amx"`` when they run ``amx_linear``, ``"few_rows"`` when they are
     patched with ``few_rows_linear`` alone, else ``"torch"``."""
-    from .quant import int8_activations, quantized_bytes
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, _FLAG)]
+    from .quant import _FLAG as QUANT
+    modules = list(model.modules())  # one walk (cost_key asks per decode)
+    linears = [m for m in modules if isinstance(m, torch.nn.Linear) and hasattr(m, _FLAG)]
     if not linears:
         return "torch"
-    if not quantized_bytes(model):
+    quantized = [getattr(m, QUANT) for m in modules if hasattr(m, QUANT)]
+    if not any(flag[1].numel() for flag in quantized):  # quant.quantized_bytes(model) == 0
         return "amx" if any(hasattr(m, _AMX) for m in linears) else "few_rows"
-    return "gguf_int8" if int8_activations(model) else "gguf"
+    return "gguf_int8" if any(flag[3] for flag in quantized) else "gguf"  # quant.int8_activations(model)
 
 
 def linear_kinds(model: torch.nn.Module, auto: bool = False) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from .cost import CostModel
 
 log = logging.getLogger(__name__)
 
-COST_MODEL_VERSION = 13  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
+COST_MODEL_VERSION = 14  # 2: set-ups with few_rows_linear; 3: its bf16 kernel widens 32 at a time, drafter patched too;
 # 4: grouped-query attention without copied keys/values (dartree_ext.attention); 5: the drafter pass
 # timed with its context's keys and values kept, as the decoder keeps them; 6: the fastest repetition of
 # each point (not the median), and the curve fitted non-decreasing (pooled, not raised to a noisy maximum);
@@ -34,6 +34,7 @@ COST_MODEL_VERSION = 13  # 2: set-ups with few_rows_linear; 3: its bf16 kernel w
 # 11: each tree size timed in pairs with a plain step, the median of the differences (fit_curve)
 # 12: few_rows_linear in bfloat16 prefetches in every pass over a weight block: 7+ rows cheaper
 # 13: the flat forward's plan (direct row and block ops, q/k/v and gate/up blocks in one call)
+# 14: the layers on GGUF blocks as one C++ loop (_C.DecoderStack); quant_linear_int8 cheaper on short groups
 # (which few_rows_linear path runs, avx512 / avx2 / generic, is part of the key itself)
 TreeBuilder = Callable[..., object]  # (hidden, base_logits, root, vocab) -> Tree
 DEFAULT_NODES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -96,7 +97,8 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
     from ..flat_forward import flat
     from ..linear import linear_kind
     from ..row_layers import row_layers_used
-    few_rows = linear_kind(target) != "torch" or (drafter is not None and linear_kind(drafter) == "few_rows")
+    kind, drafter_kind = linear_kind(target), linear_kind(drafter) if drafter is not None else None
+    few_rows = kind != "torch" or drafter_kind == "few_rows"
     param = next(target.parameters())
     dcfg = json.dumps(drafter.config.to_dict(), sort_keys=True) if drafter is not None and hasattr(
         drafter, "config") and hasattr(drafter.config, "to_dict") else ""
@@ -110,12 +112,12 @@ def cost_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: t
         "device": device_name(device), "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else 0,
         "nodes": list(nodes), "contexts": list(contexts), "methods": sorted(methods),
         "attention": attention_kind(target), "flat_forward": flat(target),
-        **({"linear": linear_kind(target)} if linear_kind(target) != "torch" else {}),
+        **({"linear": kind} if kind != "torch" else {}),
         **({"row_layers": True} if row_layers_used(target) else {}),
-        **({"drafter_linear": "few_rows"} if drafter is not None and linear_kind(drafter) == "few_rows" else {}),
+        **({"drafter_linear": "few_rows"} if drafter_kind == "few_rows" else {}),
         **({"few_rows_linear": build_info().get("few_rows_linear")} if few_rows else {}),
         **({"quant_linear": build_info().get("quant_linear"), "quant_linear_int8": build_info().get("quant_linear_int8")}
-           if linear_kind(target).startswith("gguf") else {}),
+           if kind.startswith("gguf") else {}),
     }
 
 
